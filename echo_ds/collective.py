@@ -1,0 +1,118 @@
+"""The stages of one Echo all-reduce, shared by the distributed reference and the emulator.
+
+Every function here works on a leading rank axis R (R = 1 on one rank of the distributed reference,
+R = P in the emulator), so both paths run the very same fp32 operations and give identical bits.
+
+Layout of one call with n elements on P ranks and group size g::
+
+    padded  = ceil(n / (P g)) * P g       zeros appended
+    segment j = elements [j * padded/P, (j + 1) * padded/P), owned by rank j
+    groups    = [R, P, groups_per_segment, g]
+
+Per call, on rank i (section 4.1):
+
+1. entry: x' = rotate(x) + c (the correction c, when compensating), times 2^k when rescaling;
+   quantize every segment j != i (the segments it sends);
+2. all-to-all: segment j's codes go to its owner j;
+3. owner reduce: acc = sum over ranks r = 0 .. P-1 in that order of (x'_i^i if r == i else
+   dequantize(codes from r)), in fp32; quantize acc once;
+4. all-gather of the reduced segments' codes; every rank, the owner included, dequantizes the same codes
+   (s_hat), so all ranks hold bit-identical results; y = unrotate(s_hat) / 2^k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from echo_ds import quant as Q
+from echo_ds.quant import QuantSpec
+
+# Backward rescaling (section 5.4): the group's largest magnitude is brought into [2^14, 2^15), far
+# from both ends of fp16's range: the largest 4-bit scale is then < 2^16 / 15 = 4369 (fp16 max 65504),
+# and a group 1e-7 times smaller than the tensor's largest value still has a normal fp16 scale.
+kPow2Target = 15
+
+
+@dataclass(frozen=True)
+class Layout:
+    numel: int
+    world_size: int
+    group_size: int
+
+    @property
+    def padded_numel(self) -> int:
+        chunk = self.world_size * self.group_size
+        return max(1, math.ceil(self.numel / chunk)) * chunk
+
+    @property
+    def segment_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def groups_per_segment(self) -> int:
+        return self.segment_numel // self.group_size
+
+
+def to_segments(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """[R, ...] input -> fp32 [R, P, groups_per_segment, g] (flattened per rank, zero padded)."""
+    R = x.shape[0]
+    flat = x.reshape(R, -1).float()
+    pad = layout.padded_numel - flat.shape[1]
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(R, layout.world_size, layout.groups_per_segment, layout.group_size)
+
+
+def from_segments(seg: torch.Tensor, layout: Layout, shape, dtype) -> torch.Tensor:
+    """Inverse of :func:`to_segments` for one result: [P, G, g] fp32 -> ``shape`` in ``dtype``."""
+    return seg.reshape(-1)[: layout.numel].reshape(shape).to(dtype)
+
+
+def rotate_if(seg: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    if not spec.rotation:
+        return seg
+    return Q.rotate(seg.reshape(-1, spec.group_size)).view(seg.shape)
+
+
+def unrotate_if(seg: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    if not spec.rotation:
+        return seg
+    return Q.unrotate(seg.reshape(-1, spec.group_size)).view(seg.shape)
+
+
+def pow2_exponent(amax: torch.Tensor) -> int:
+    """k such that amax * 2^k lies in [2^(kPow2Target-1), 2^kPow2Target); 0 for 0 or non-finite."""
+    a = float(amax)
+    if not math.isfinite(a) or a == 0.0:
+        return 0
+    _, e = math.frexp(a)  # a = m 2^e, m in [0.5, 1)
+    return max(-126, min(126, kPow2Target - e))
+
+
+def quantize_segments(seg: torch.Tensor, spec: QuantSpec):
+    """Quantize fp32 [..., G, g] -> (codes [..., G, g*b/8] uint8, scale [..., G] fp16, zero fp16)."""
+    lead = seg.shape[:-1]
+    codes, scale, zero = Q.quantize_groups(seg.reshape(-1, spec.group_size), spec.bits, spec.policy)
+    return codes.view(*lead, -1), scale.view(lead), zero.view(lead)
+
+
+def dequantize_segments(codes, scale, zero, spec: QuantSpec) -> torch.Tensor:
+    lead = scale.shape
+    values = Q.dequantize_groups(codes.reshape(-1, codes.shape[-1]), scale.reshape(-1), zero.reshape(-1),
+                                 spec.bits)
+    return values.view(*lead, spec.group_size)
+
+
+def ordered_sum(terms: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over dim 0 in index order, ((t0 + t1) + t2) + ...: the owner's high-precision sum.
+
+    terms: [P, ...] the P copies of a segment in rank order, the owner's own copy unquantized at the
+    owner's index. The order is fixed so that the kernels reproduce it bit for bit.
+    """
+    acc = terms[0].clone()
+    for r in range(1, terms.shape[0]):
+        acc = acc + terms[r]
+    return acc

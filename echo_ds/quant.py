@@ -1,0 +1,389 @@
+"""Group-wise b-bit quantizers with fp16 per-group parameters (section 4.3 of the Echo paper).
+
+Every value of a group of ``group_size`` (g) consecutive elements is sent as a b-bit code ``q`` together
+with two fp16 parameters of the group, a scale ``s`` and a zero-point ``z`` (in code units). Every policy
+decodes with the same affine map::
+
+    x_hat = (q - z) * s                      (fp32: one subtraction, then one multiplication)
+
+and encodes with the parameters *after* their fp16 rounding, so that every rank that decodes the codes
+gets the same values::
+
+    inv = 1 / s                              (fp32 division)
+    q   = clip(rint(x * inv + z), q_min, 2^b - 1)
+
+Policies (``policy``):
+
+``"symmetric"`` (equation 8)
+    ``s = max|x| / (2^(b-1) - 1)``, ``z = 2^(b-1)``, codes ``1 .. 2^b - 1`` (the most negative code is
+    never used, so the levels are symmetric about zero and 0 is exact).
+``"naive"`` (equation 9 anchored at the group minimum)
+    ``s = (max - min) / (2^b - 1)``, ``z = -min / s``: the grid spans exactly the group's range and 0
+    generally falls between two codes.
+``"zero_aware"`` (section 4.3)
+    When the group straddles zero, the zero-point is moved to the nearest integer in [1, 2^b - 2] and
+    the scale widened just enough that the whole range stays on the grid, so 0 is exact. When the group
+    lies on one side of zero, more than one code away from it, the naive map is used. In between (a
+    one-sided group within one code of zero) the zero-point blends continuously from the naive value to
+    the straddling limit. See ``_zero_aware_params``.
+
+Numerics contract (the CUDA kernels reproduce it bit for bit, so the operation order matters):
+
+* All arithmetic is fp32, every operation rounded to nearest even, no fused multiply-add.
+* The scale is rounded *up* to fp16 (never below what the range needs), clamped to the largest finite
+  fp16 (65504: values beyond ``65504 * (2^b - 1)`` in range saturate to the grid's ends instead of
+  producing inf) and to at least the smallest fp16 subnormal (2^-24, so a scale never underflows to 0).
+* For the asymmetric policies the scale is at least ``max|x| / 1024``, which keeps ``|z| <= 1024`` so
+  the fp16 zero-point is exact to a quarter code; below that ratio the group is narrower than fp16's own
+  resolution of its values.
+* A group that holds a NaN or an infinity gets scale NaN and codes 0: it decodes to NaN in full, so
+  non-finite values propagate (DeepSpeed's loss scaler then sees the overflow) instead of becoming a
+  silent finite number.
+* Padding (the last group of a length that is not a multiple of g) is zeros.
+
+Error bound, per element of a finite group: ``|x_hat - x| <= s/2 + ulp16(z) s`` plus fp32 rounding,
+where the middle term is 0 whenever z is an integer by construction (symmetric, and zero-aware groups
+that straddle 0). ``step_bound`` returns it per group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+import torch
+
+Policy = Literal["zero_aware", "symmetric", "naive"]
+POLICIES = ("zero_aware", "symmetric", "naive")
+SUPPORTED_BITS = (4, 8)
+MIN_GROUP_SIZE = 16
+MAX_GROUP_SIZE = 4096
+
+kFp16Max = 65504.0
+kFp16MinSubnormal = 2.0**-24
+# Asymmetric scales stay >= max|x| / kMaxZeroPoint so that |z| <= kMaxZeroPoint codes (fp16 ulp <= 1/2).
+kMaxZeroPoint = 1024.0
+
+
+def check_quant_args(bits: int, group_size: int, policy: str) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported: use one of {SUPPORTED_BITS}")
+    if not (isinstance(group_size, int) and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE
+            and group_size & (group_size - 1) == 0):
+        raise ValueError(f"group_size={group_size!r} must be a power of two in "
+                         f"[{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}]")
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not one of {POLICIES}")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """Quantizer settings of one collective call: bit width b, group size g, policy, rotation."""
+
+    bits: int = 4
+    group_size: int = 128
+    policy: str = "zero_aware"
+    rotation: bool = False
+
+    def __post_init__(self):
+        check_quant_args(self.bits, self.group_size, self.policy)
+
+    def wire_bytes(self, numel: int) -> int:
+        return wire_bytes(numel, self.bits, self.group_size)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Codes and per-group parameters of a quantized tensor.
+
+    codes: uint8, shape [num_groups, group_size * bits // 8] (4-bit codes packed two per byte: element
+        2k in the low nibble of byte k, element 2k + 1 in the high nibble).
+    scale, zero: float16, shape [num_groups].
+    numel: number of real (unpadded) elements; shape: the original shape.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    numel: int
+    shape: tuple
+    policy: str = "zero_aware"
+
+    @property
+    def num_groups(self) -> int:
+        return self.scale.numel()
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this tensor takes on the wire: codes plus two fp16 parameters per group."""
+        return self.codes.numel() + 4 * self.num_groups
+
+
+def wire_bytes(numel: int, bits: int, group_size: int) -> int:
+    """Bytes of ``numel`` elements quantized at ``bits`` with one (scale, zero) fp16 pair per group."""
+    num_groups = -(-numel // group_size)
+    return num_groups * (group_size * bits // 8 + 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fp16 parameter rounding
+# ----------------------------------------------------------------------------------------------------
+
+def fp16_round_up(s: torch.Tensor) -> torch.Tensor:
+    """Smallest fp16 value >= s, for s in [0, 65504] (NaN stays NaN). Matches ``__float2half_ru``."""
+    h = s.to(torch.float16)
+    below = h.float() < s
+    bits = h.view(torch.int16) + below.to(torch.int16)
+    return bits.view(torch.float16)
+
+
+def _group_scale(raw: torch.Tensor) -> torch.Tensor:
+    """fp32 scale -> fp16 scale: clamp to [2^-24, 65504], round up. NaN propagates."""
+    raw = torch.clamp(raw, min=kFp16MinSubnormal, max=kFp16Max)
+    return fp16_round_up(raw)
+
+
+def _levels(bits: int) -> float:
+    return float(2**bits - 1)
+
+
+def compute_params(groups: torch.Tensor, bits: int, policy: str):
+    """Per-group fp16 (scale, zero) of ``groups`` (fp32, shape [num_groups, g]).
+
+    Returns (scale fp16 [num_groups], zero fp16 [num_groups], finite bool [num_groups]).
+    """
+    mn = groups.amin(dim=1)
+    mx = groups.amax(dim=1)
+    finite = torch.isfinite(mn) & torch.isfinite(mx)
+    zero_f = torch.zeros_like(mn)
+    mn = torch.where(finite, mn, zero_f)
+    mx = torch.where(finite, mx, zero_f)
+    amax = torch.maximum(mn.abs(), mx.abs())
+    L = _levels(bits)
+
+    if policy == "symmetric":
+        qmax = float(2 ** (bits - 1) - 1)
+        scale = _group_scale(amax / qmax)
+        zero = torch.full_like(scale, float(2 ** (bits - 1)))
+    else:
+        # Naive scale, floored so that |zero| <= kMaxZeroPoint codes.
+        s0 = torch.maximum((mx - mn) / L, amax / kMaxZeroPoint)
+        if policy == "naive":
+            scale = _group_scale(s0)
+            zero = (-mn / scale.float()).to(torch.float16)
+        else:
+            scale, zero = _zero_aware_params(mn, mx, s0, L)
+    nan = torch.full_like(scale, float("nan"))
+    scale = torch.where(finite, scale, nan)
+    return scale, zero, finite
+
+
+def _zero_aware_params(mn, mx, s0, L):
+    """Zero-aware (scale, zero) per group; mn, mx, s0 (the floored naive scale) fp32 [num_groups].
+
+    * straddling (mn < 0 < mx): z is an integer in [1, L - 1], so 0 is exact, and the scale is widened
+      to cover both ends, s(z) = max(-mn / z, mx / (L - z)). Of the two integers around z0 = -mn / s0
+      the one with the smaller s(z) is taken (floor on a tie): the plain nearest integer can cost up to
+      half a code of range on each side (s = 1.5 s0 at z0 = 1.5), this choice at most one code in all.
+    * one-sided within one code of 0 (0 <= mn < s0, or -s0 < mx <= 0): the zero-point moves from the
+      naive value z0 = -mn / s0 (w = 0, one code away) to the straddling limit 1 (or L - 1) (w = 1, at 0),
+      z = z0 + w (1 - z0) with w = 1 - mn / s0, and the scale covers the far end: s = mx / (L - z)
+      (negative side: w = 1 + mx / s0, z = z0 + w ((L - 1) - z0), s = -mn / z).
+    * otherwise the naive map: s = s0, z = -mn / s.
+    Every branch keeps [mn, mx] on the grid, and the map is continuous across the branches.
+    """
+    straddle = (mn < 0) & (mx > 0)
+    pos_blend = (mn >= 0) & (mn < s0)
+    neg_blend = (mx <= 0) & (-mx < s0)
+    z0 = -mn / s0
+
+    zf = torch.clamp(torch.floor(z0), 1.0, L - 1.0)
+    zc = torch.clamp(torch.ceil(z0), 1.0, L - 1.0)
+    sf = torch.maximum(-mn / zf, mx / (L - zf))
+    sc = torch.maximum(-mn / zc, mx / (L - zc))
+    use_ceil = sc < sf
+    zs = torch.where(use_ceil, zc, zf)
+    ss = torch.where(use_ceil, sc, sf)
+
+    wp = 1.0 - mn / s0
+    zp = z0 + wp * (1.0 - z0)
+    sp = mx / (L - zp)
+
+    wn = 1.0 + mx / s0
+    zn = z0 + wn * ((L - 1.0) - z0)
+    sn = -mn / zn
+
+    raw = torch.where(straddle, ss, torch.where(pos_blend, sp, torch.where(neg_blend, sn, s0)))
+    scale = _group_scale(raw)
+    naive_zero = -mn / scale.float()
+    zero = torch.where(straddle, zs, torch.where(pos_blend, zp, torch.where(neg_blend, zn, naive_zero)))
+    return scale, zero.to(torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Codes
+# ----------------------------------------------------------------------------------------------------
+
+def encode(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, finite: torch.Tensor,
+           bits: int, policy: str) -> torch.Tensor:
+    """Integer codes (uint8, [num_groups, g], unpacked) of fp32 ``groups`` under fp16 parameters."""
+    inv = 1.0 / scale.float()
+    t = groups * inv[:, None]
+    t = t + zero.float()[:, None]
+    q = torch.round(t)
+    q_min = 1.0 if policy == "symmetric" else 0.0
+    q = torch.clamp(q, q_min, _levels(bits))
+    q = torch.where(finite[:, None], q, torch.zeros_like(q))
+    return q.to(torch.uint8)
+
+
+def decode(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """fp32 values of unpacked codes ``q`` ([num_groups, g] uint8) under fp16 (scale, zero)."""
+    return (q.float() - zero.float()[:, None]) * scale.float()[:, None]
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[num_groups, g] uint8 codes -> packed bytes (two 4-bit codes per byte, low nibble first)."""
+    if bits == 8:
+        return q
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes
+    lo = codes & 0x0F
+    hi = codes >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(codes.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------
+
+def to_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Flatten to fp32 and zero-pad to a whole number of groups: shape [num_groups, group_size]."""
+    flat = x.reshape(-1).float()
+    pad = (-flat.numel()) % group_size
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(-1, group_size)
+
+
+def quantize_groups(groups: torch.Tensor, bits: int, policy: str):
+    """(packed codes, scale, zero) of fp32 ``groups`` [num_groups, g]."""
+    scale, zero, finite = compute_params(groups, bits, policy)
+    q = encode(groups, scale, zero, finite, bits, policy)
+    return pack(q, bits), scale, zero
+
+
+def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 [num_groups, g] values of packed codes."""
+    return decode(unpack(codes, bits), scale, zero)
+
+
+def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 128, policy: Policy = "zero_aware") -> Quantized:
+    """Quantize ``x`` (any shape; fp32, bf16 or fp16) group-wise along its flattened order."""
+    check_quant_args(bits, group_size, policy)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    groups = to_groups(x, group_size)
+    codes, scale, zero = quantize_groups(groups, bits, policy)
+    return Quantized(codes, scale, zero, bits, group_size, x.numel(), tuple(x.shape), policy)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values a peer receiving ``q`` reconstructs, in ``dtype`` and the original shape."""
+    values = dequantize_groups(q.codes, q.scale, q.zero, q.bits).reshape(-1)[: q.numel]
+    return values.reshape(q.shape).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, bits: int = 4, group_size: int = 128,
+                  policy: Policy = "zero_aware") -> torch.Tensor:
+    """The quantize-dequantize round trip of ``x``, in ``x``'s dtype and shape."""
+    return dequantize(quantize(x, bits, group_size, policy), x.dtype)
+
+
+def step_bound(q: Quantized) -> torch.Tensor:
+    """Per-group bound on |x_hat - x| (fp32 [num_groups]), derived from the stored parameters.
+
+    Rounding to the nearest code costs s/2. A zero-point that is not an integer by construction (naive
+    groups, one-sided zero-aware groups, the blend zone) was rounded to fp16, which shifts the grid by at
+    most half an fp16 ulp of z; rounding the scale up against a fixed non-integer z (the blend zone,
+    |z| <= 1) moves the grid's near end by at most |z| 2^-11 s: one ulp of z covers both. The encode and decode arithmetic is fp32 on values of at most
+    (2^b - 1 + |z|) codes, which a relative slack of 2^-22 on that magnitude covers.
+    """
+    s = q.scale.float()
+    z = q.zero.float()
+    L = _levels(q.bits)
+    integral = z == torch.round(z)
+    if q.policy == "symmetric":
+        exact_zero = torch.ones_like(integral)
+    elif q.policy == "zero_aware":
+        exact_zero = integral & (z >= 1) & (z <= L - 1)
+    else:
+        exact_zero = torch.zeros_like(integral)
+    z_shift = torch.where(exact_zero, torch.zeros_like(z), _fp16_ulp(z))
+    return (0.5 + z_shift + (L + z.abs()) * 2.0**-22) * s
+
+
+def _fp16_ulp(z: torch.Tensor) -> torch.Tensor:
+    a = z.abs().clamp(min=2.0**-14)
+    return torch.exp2(torch.floor(torch.log2(a)) - 10)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Randomized Hadamard rotation of each group
+# ----------------------------------------------------------------------------------------------------
+
+kHadamardSeed = 0x5EED_EC40
+
+
+@lru_cache(maxsize=None)
+def _hadamard_signs_cpu(group_size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(kHadamardSeed)
+    bits = torch.randint(0, 2, (group_size,), generator=gen)
+    return (1.0 - 2.0 * bits).to(torch.float32)
+
+
+def hadamard_signs(group_size: int, device=None) -> torch.Tensor:
+    """The fixed +-1 diagonal D of the rotation (fp32 [g]), identical on every rank and process."""
+    return _hadamard_signs_cpu(group_size).to(device)
+
+
+def hadamard_norm(group_size: int) -> float:
+    """1/sqrt(g) rounded to fp32 (the kernels receive the same constant)."""
+    return float(torch.tensor(1.0 / math.sqrt(group_size), dtype=torch.float32))
+
+
+def _fwht(groups: torch.Tensor) -> torch.Tensor:
+    """Unnormalised fast Walsh-Hadamard transform along the last dim, butterflies h = 1, 2, 4, ...
+
+    Stage h pairs element i with i + h inside blocks of 2h and writes (a + b, a - b). The kernels run the
+    same stages in the same order, so the result is bit-identical.
+    """
+    n, g = groups.shape
+    y = groups
+    h = 1
+    while h < g:
+        y = y.view(n, g // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2).reshape(n, g)
+        h *= 2
+    return y
+
+
+def rotate(groups: torch.Tensor) -> torch.Tensor:
+    """Forward rotation of fp32 groups [n, g]: (H (D x)) / sqrt(g), H the Walsh-Hadamard matrix."""
+    g = groups.shape[1]
+    return _fwht(groups * hadamard_signs(g, groups.device)) * hadamard_norm(g)
+
+
+def unrotate(groups: torch.Tensor) -> torch.Tensor:
+    """Inverse rotation: D (H y) / sqrt(g) (H is symmetric and H H = g I)."""
+    g = groups.shape[1]
+    return (_fwht(groups) * hadamard_norm(g)) * hadamard_signs(g, groups.device)

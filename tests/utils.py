@@ -1,0 +1,82 @@
+"""The one spawn harness of the test suite: P gloo ranks on free ports, every one must exit 0.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes with the "spawn" context,
+initialises a gloo process group in each and calls ``fn(rank, world_size, *args)``. What each rank
+returns is collected (it must pickle). A rank that raises fails the test with its traceback; a rank that
+hangs past ``timeout`` seconds fails it too, instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import traceback
+
+kDefaultTimeout = 120.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        # Plain pickle, not torch's shared-memory reducers: a rank may exit before the parent reads.
+        queue.put((rank, "ok", pickle.dumps(result)))
+        queue.close()
+        queue.join_thread()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+        queue.close()
+        queue.join_thread()  # flush the report before the hard exit
+        os._exit(1)
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = kDefaultTimeout):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+    except queue_mod.Empty:
+        errors.append(f"timed out after {timeout:.0f}s waiting for ranks; done: {sorted(results)}")
+    except (EOFError, OSError) as e:
+        errors.append(f"lost contact with the ranks ({type(e).__name__}: {e}); done: {sorted(results)}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    if errors:
+        raise AssertionError("\n".join(errors))
+    bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
+    if bad:
+        raise AssertionError(f"ranks exited with codes {bad}")
+    return [results[r] for r in range(world_size)]
