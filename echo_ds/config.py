@@ -42,6 +42,12 @@ class EchoConfigError(ValueError):
     """An invalid ``"echo"`` section: the message names the key, the value and what is allowed."""
 
 
+def _supported_bits(v: int) -> int:
+    if v not in SUPPORTED_BITS:
+        raise ValueError(f"must be one of {SUPPORTED_BITS}")
+    return v
+
+
 class DirectionConfig(DeepSpeedConfigModel):
     """Compensator of one pass direction (equations 10-11 of the paper).
 
@@ -73,12 +79,7 @@ class EarlySitesConfig(DeepSpeedConfigModel):
     bits: int = 8
     fraction: float = Field(0.0, ge=0.0, le=1.0)
 
-    @field_validator("bits")
-    @classmethod
-    def _bits(cls, v):
-        if v not in SUPPORTED_BITS:
-            raise ValueError(f"must be one of {SUPPORTED_BITS}")
-        return v
+    _bits = field_validator("bits")(classmethod(lambda cls, v: _supported_bits(v)))
 
 
 class EchoConfig(DeepSpeedConfigModel):
@@ -103,12 +104,7 @@ class EchoConfig(DeepSpeedConfigModel):
         except ValidationError as e:
             raise EchoConfigError(_describe(e)) from None
 
-    @field_validator("bits")
-    @classmethod
-    def _bits(cls, v):
-        if v not in SUPPORTED_BITS:
-            raise ValueError(f"must be one of {SUPPORTED_BITS}")
-        return v
+    _bits = field_validator("bits")(classmethod(lambda cls, v: _supported_bits(v)))
 
     @field_validator("group_size")
     @classmethod
