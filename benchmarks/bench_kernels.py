@@ -1,0 +1,285 @@
+"""Bandwidth of the Echo kernels against the device copy and DeepSpeed's ZeRO++ quantizer kernels.
+
+One run, every implementation in the same loop, over message sizes (bytes of the fp16 input x):
+
+    python benchmarks/bench_kernels.py                       # 64 MB .. 1 GB, factor 2
+    python benchmarks/bench_kernels.py --min-bytes 64M --max-bytes 1G --factor 2 --iters 15 --json out.json
+
+Each time is the median (and min-max spread) over --iters CUDA-graph replays of --reps back-to-back calls
+(events around the replay, divided by --reps), after a warm-up, so that Python launch overhead stays out.
+"bytes" is what a stage must move through device memory at the least (every input read once, every output
+written once); GB/s = bytes / time, "% copy" = that over the device-to-device copy bandwidth (bytes read +
+written) of a 1 GB copy measured in the same run. P = 4 ranks (one rank's share of the work), 4-bit codes,
+groups of 128, zero-aware policy, fp32 compensator state, unless a row says otherwise.
+
+Rows:
+  copy                 an elementwise copy kernel over the message (torch.neg, out=; 2 x bytes)
+  ds_quantize          DeepSpeed QuantizerBuilder quantize, 4-bit asymmetric, groups of 128, fp16 in
+  ds_dequantize        DeepSpeed dequantize of those codes, fp16 out
+  entry                Echo entry (push_quantize) without compensation
+  entry+comp           ... with the fused compensator reading the state (m1, m2)
+  entry+corr           ... with the fused compensator reading a precomputed correction c
+  entry+rot            ... with the Hadamard rotation, no compensation
+  entry+comp+rot+local ... all of it, residual "local" (writes u of the sent segments)
+  pow2_amax            max |x| (backward rescaling)
+  owner_reduce         P - 1 copies + own fp32 segment -> reduced codes
+  dequantize           all P segments -> y (fp16)
+  dequantize+rot       ... with the inverse rotation
+  update_output        compensator update, residual "output" (reads x, state, codes; writes the state)
+  update_local         compensator update, residual "local"
+  torch_compensator    the compensator as separate PyTorch ops (echo_ds.compensator): apply + update
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from echo_ds import collective as C  # noqa: E402
+from echo_ds.quant import QuantSpec  # noqa: E402
+
+P = 4
+G_SIZE = 128
+
+
+def parse_bytes(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
+
+
+def time_op(fn, reps: int, iters: int, graph: bool = True):
+    """(median, min, max) ms of one call of fn, from CUDA-graph replays of `reps` calls (graph=False:
+    `reps` plain back-to-back launches between the events)."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        if not graph:
+            raise RuntimeError("plain launches asked for")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        run = graph.replay
+    except Exception as e:  # noqa: BLE001 - fall back to plain launches
+        if graph:
+            print(f"  (graph capture failed: {type(e).__name__}: {e}; timing plain launches)")
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(reps):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times), min(times), max(times)
+
+
+def load_ds_quantizer():
+    try:
+        from deepspeed.ops.op_builder import QuantizerBuilder
+
+        t0 = time.perf_counter()
+        mod = QuantizerBuilder().load(verbose=False)
+        return mod, None, time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - recorded in the table
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--min-bytes", default="64M")
+    ap.add_argument("--max-bytes", default="1G")
+    ap.add_argument("--factor", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None, help="write all numbers here")
+    args = ap.parse_args()
+
+    import echo_ds.ops as E
+    from echo_ds.compensator import Compensator
+    from echo_ds.config import DirectionConfig
+
+    t0 = time.perf_counter()
+    E.load()
+    echo_load_s = time.perf_counter() - t0
+    ds, ds_error, ds_load_s = load_ds_quantizer()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
+          f"echo load {echo_load_s:.1f}s; ds quantizer: {'load %.1fs' % ds_load_s if ds else 'FAILED: ' + ds_error}")
+
+    # Copy bandwidth of a 1 GB copy: the ceiling every row is compared with. Two copies: copy_ (a
+    # cudaMemcpyAsync, timed with plain launches: captured into a graph it became a copy-engine memcpy
+    # node at 2.7 TB/s in the first run) and an elementwise kernel (neg, out=); the faster one counts.
+    big = torch.empty(1 << 29, dtype=torch.float16, device=dev).normal_()
+    big_out = torch.empty_like(big)
+    t_memcpy = time_op(lambda: big_out.copy_(big), args.reps, args.iters, graph=False)[0]
+    t_kernel = time_op(lambda: torch.neg(big, out=big_out), args.reps, args.iters)[0]
+    copy_bw = 2 * big.numel() * 2 / (min(t_memcpy, t_kernel) * 1e-3)
+    print(f"copy bandwidth (1 GB, read + write): copy_ {4 * big.numel() / t_memcpy / 1e9:.3f} TB/s, "
+          f"elementwise kernel {4 * big.numel() / t_kernel / 1e9:.3f} TB/s; ceiling {copy_bw / 1e12:.3f} TB/s")
+    del big, big_out
+
+    rows = []
+    sizes = []
+    s = parse_bytes(args.min_bytes)
+    while s <= parse_bytes(args.max_bytes):
+        sizes.append(s)
+        s *= args.factor
+
+    spec = QuantSpec(bits=4, group_size=G_SIZE, policy="zero_aware")
+    spec_rot = QuantSpec(bits=4, group_size=G_SIZE, policy="zero_aware", rotation=True)
+    comp = Compensator(DirectionConfig())
+    coeffs = E.CompensatorCoefficients.of(comp)
+
+    for size in sizes:
+        n = size // 2
+        layout = C.Layout(n, P, G_SIZE)
+        G, S, padded = layout.groups_per_segment, layout.segment_numel, layout.padded_numel
+        x = (torch.randn(n, device=dev) * 2.0).to(torch.float16)
+        m1 = torch.randn(padded, device=dev) * 1e-2
+        m2 = torch.randn(padded, device=dev) * 1e-2
+        corr = torch.randn(padded, device=dev) * 1e-2
+        u = torch.randn(padded, device=dev) * 1e-2
+        send = E.alloc_packets(P, layout, spec, dev)
+        gathered = E.alloc_packets(P, layout, spec, dev)
+        own = torch.empty(S, device=dev)
+        resid = torch.empty(padded, device=dev)
+        y = torch.empty(n, dtype=torch.float16, device=dev)
+        amax = torch.empty(1, device=dev)
+        out_tab = E.packet_table([None, *send[1:]], layout, spec)
+        gat_tab = E.packet_table(list(gathered), layout, spec)
+        cb = S // 2 + 4 * G  # one segment's codes + params
+        results = {}
+
+        def add(name, fn, nbytes, check=""):
+            med, lo, hi = time_op(fn, args.reps, args.iters)
+            bw = nbytes / (med * 1e-3)
+            results[name] = med
+            rows.append(dict(size=size, op=name, ms=med, lo=lo, hi=hi, bytes=nbytes, gbps=bw / 1e9,
+                             pct_copy=100 * bw / copy_bw, check=check))
+            print(f"{size >> 20:6d} MB  {name:22s} {med:8.4f} ms [{lo:.4f}-{hi:.4f}]  {bw / 1e9:8.1f} GB/s  "
+                  f"{100 * bw / copy_bw:5.1f}% copy  {check}")
+
+        xc = torch.empty_like(x)
+        add("copy", lambda: torch.neg(x, out=xc), 2 * 2 * n)
+
+        if ds is not None:
+            groups = n // G_SIZE
+            try:
+                q, params = ds.quantize(x, groups, 4, ds.Asymmetric)
+                back = ds.dequantize(q, params, groups, 4, ds.Asymmetric)
+                rel = float((back.float() - x.float()).norm() / x.float().norm())
+                add("ds_quantize", lambda: ds.quantize(x, groups, 4, ds.Asymmetric), 2 * n + n // 2 + 8 * groups,
+                    f"rel.err {rel:.3f}")
+                add("ds_dequantize", lambda: ds.dequantize(q, params, groups, 4, ds.Asymmetric),
+                    n // 2 + 8 * groups + 2 * n)
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(size=size, op="ds_quantize", ms=None, check=f"FAILED {type(e).__name__}: {e}"))
+                print(f"  ds quantizer failed: {e}")
+        else:
+            rows.append(dict(size=size, op="ds_quantize", ms=None, check=f"build FAILED: {ds_error}"))
+
+        sent_bytes = (P - 1) * cb
+        base = 2 * n + sent_bytes + 4 * S
+
+        def entry(spec=spec, **kw):
+            return lambda: E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab, own_out=own, **kw)
+
+        # Correctness at this size: the entry's first sent segment and own segment vs the reference.
+        E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab, own_out=own)
+        segs = C.to_segments(x.reshape(1, -1), layout)[0]
+        rc, rsc, rz = C.quantize_segments(segs[1], spec)
+        kc, ks, kz = E.packet_views(send[1], layout, spec)
+        ok = torch.equal(kc, rc) and torch.equal(ks.view(torch.int16), rsc.view(torch.int16)) and \
+            torch.equal(own, segs[0].reshape(-1))
+        del segs, rc, rsc, rz
+        add("entry", entry(), base, "bit-exact" if ok else "MISMATCH")
+        add("entry+comp", entry(m1=m1, m2=m2, coeffs=coeffs), base + 8 * padded)
+        add("entry+corr", entry(correction=corr), base + 4 * padded)
+        add("entry+rot", entry(spec=spec_rot), base)
+        add("entry+comp+rot+local", entry(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, residual_out=resid),
+            base + 8 * padded + 4 * (P - 1) * S)
+        add("pow2_amax", lambda: E.pow2_amax(x, amax, world_size=P, spec=spec), 2 * n)
+        copies = E.packet_table([None, *send[1:]], layout, spec)
+        add("owner_reduce", lambda: E.owner_reduce(own, numel=n, rank=0, world_size=P, spec=spec, copies=copies,
+                                                   out=E.packet_table([gathered[0], None, None, None], layout, spec)),
+            4 * S + (P - 1) * cb + cb)
+        for j in range(1, P):
+            gathered[j].copy_(send[j])
+        E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab)
+        s_hat = torch.stack([C.dequantize_segments(*E.packet_views(gathered[j], layout, spec), spec) for j in range(P)])
+        ok = torch.equal(y.view(torch.int16), C.from_segments(s_hat, layout, (n,), torch.float16).view(torch.int16))
+        del s_hat
+        add("dequantize", lambda: E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab), P * cb + 2 * n,
+            "bit-exact" if ok else "MISMATCH")
+        add("dequantize+rot", lambda: E.dequantize(y, world_size=P, spec=spec_rot, gathered=gat_tab), P * cb + 2 * n)
+        add("update_output", lambda: E.compensator_update_output(x, m1, m2, world_size=P, spec=spec, gathered=gat_tab,
+                                                                 coeffs=coeffs), 2 * n + 16 * padded + P * cb)
+        add("update_local", lambda: E.compensator_update_local(u, m1, m2, coeffs=coeffs), 20 * padded)
+
+        # The unfused compensator as PyTorch ops: apply (c, x' = x + c) before the all-reduce, update after.
+        tc = Compensator(DirectionConfig())
+        tc.m1, tc.m2 = m1.clone(), m2.clone()
+        xf = x.float()
+        yf = y.float()
+        pad = padded - n
+
+        def torch_comp():
+            c = tc.correction(tc.m1.shape, dev)
+            xp = torch.nn.functional.pad(xf, (0, pad)) + c
+            tc.update(xp - torch.nn.functional.pad(yf, (0, pad)) / P)
+        add("torch_compensator", torch_comp, 2 * n + 16 * padded + 2 * n)
+        del tc, xf, yf
+
+        added = results["entry+comp"] - results["entry"]
+        print(f"{size >> 20:6d} MB  fused compensator on the critical path: +{added:.4f} ms "
+              f"({100 * added / results['entry']:.0f}% of the entry); with the precomputed correction: "
+              f"+{results['entry+corr'] - results['entry']:.4f} ms; rotation: "
+              f"+{100 * (results['entry+rot'] / results['entry'] - 1):.0f}%; unfused PyTorch compensator: "
+              f"{results['torch_compensator']:.4f} ms, fused update (off the critical path): "
+              f"{results['update_output']:.4f} ms")
+        del x, m1, m2, corr, u, send, gathered, own, resid, y
+        torch.cuda.empty_cache()
+
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device=props.name,
+                torch=torch.__version__, copy_bw_tbps=copy_bw / 1e12, echo_load_s=echo_load_s,
+                ds_load_s=ds_load_s, ds_error=ds_error, command=" ".join(sys.argv))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+    print("\n| size | op | median ms | min-max ms | GB/s | % copy | check |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        if r.get("ms") is None:
+            print(f"| {r['size'] >> 20} MB | {r['op']} | - | - | - | - | {r['check']} |")
+        else:
+            print(f"| {r['size'] >> 20} MB | {r['op']} | {r['ms']:.4f} | {r['lo']:.4f}-{r['hi']:.4f} | "
+                  f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | {r['check']} |")
+
+
+if __name__ == "__main__":
+    main()

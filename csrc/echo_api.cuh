@@ -1,0 +1,209 @@
+// The host-facing API of the Echo kernels: raw pointers, sizes and a stream in; no torch types.
+//
+// One call of the Echo all-reduce on rank i of P, with n elements and group size g (echo_ds/collective.py):
+//
+//   padded = ceil(n / (P g)) * P g       (at least one chunk; zeros appended)
+//   segment j = padded elements [j S, (j + 1) S), S = G g, G = groups_per_segment, owned by rank j
+//
+//   1. launch_push_quantize     x (+ m1, m2 or a precomputed correction c) -> r' = rotate(x) + c, rs = r' 2^k;
+//                               the non-owned segments j != i as codes + fp16 (scale, zero) into out[j],
+//                               the owned one as fp32 rs into own_out.
+//   2. launch_owner_reduce      ordered fp32 sum over ranks 0..P-1 (own copy unquantized, P-1 decoded copies),
+//                               requantized once into every non-null out[d].
+//   3. launch_dequantize        codes of every segment -> s_hat 2^-k -> unrotate -> output dtype.
+//   4. launch_compensator_update_output / _local   u, then m1 and m2 in place (off the critical path).
+//   (launch_pow2_amax           max |r'| over this rank's padded tensor, for the power-of-two rescaling.)
+//
+// Wire format of one segment (the reference's packet, echo_ds/reference.py::_packet): codes
+// [G, g * b / 8] uint8 (4-bit: element 2k in the low nibble of byte k), then scales [G] fp16, then
+// zeros [G] fp16. The kernels take the three parts as separate pointers so that a caller may place them
+// anywhere (its own buffers or a peer's); a packet laid out as the reference's is one choice.
+//
+// Every pointer may point into a peer's memory (CUDA IPC / peer access): the kernels only read what was
+// complete before they were launched and only write what they own. NOTE: none of these kernels polls
+// memory that another device writes while it runs; cross-device readiness is the caller's (flags or
+// stream order), so plain loads are correct here.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace echo {
+
+// World sizes the kernels are built for (ECHO_DISPATCH_WORLD_SIZE); the reference supports any P.
+constexpr int kMaxWorldSize = 8;
+// Group sizes the kernels are built for: a group is held by g / 16 consecutive lanes of one warp.
+constexpr int kMinGroupSize = 64;
+constexpr int kMaxGroupSize = 256;
+
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum class Policy : int32_t { kZeroAware = 0, kSymmetric = 1, kNaive = 2 };
+
+// Where the quantized segments live: entry [j] holds segment j (push, dequantize) or the copy of rank j
+// (owner reduce input), or a destination d of the reduced segment (owner reduce output). A null codes
+// pointer means "no such entry". fp16 parameters are passed as their 16-bit patterns.
+struct QuantTable {
+  uint8_t* codes[kMaxWorldSize];
+  uint16_t* scales[kMaxWorldSize];
+  uint16_t* zeros[kMaxWorldSize];
+};
+static_assert(sizeof(QuantTable) == 3 * kMaxWorldSize * sizeof(void*), "QuantTable must be three pointer arrays");
+static_assert(offsetof(QuantTable, scales) == kMaxWorldSize * sizeof(void*), "QuantTable.scales offset");
+static_assert(offsetof(QuantTable, zeros) == 2 * kMaxWorldSize * sizeof(void*), "QuantTable.zeros offset");
+
+// The fixed randomized Hadamard rotation of echo_ds/quant.py: bit i of sign_bits set <=> D_ii = -1,
+// norm = fp32(1 / sqrt(g)) exactly as quant.hadamard_norm(g) gives it.
+struct HadamardSpec {
+  uint32_t sign_bits[kMaxGroupSize / 32];
+  float norm;
+  int32_t enabled;
+};
+static_assert(sizeof(HadamardSpec) == (kMaxGroupSize / 32 + 2) * 4, "HadamardSpec layout");
+static_assert(offsetof(HadamardSpec, norm) == kMaxGroupSize / 8, "HadamardSpec.norm offset");
+
+// Compensator coefficients, each already rounded to fp32 (echo_ds/compensator.py, Compensator.__init__):
+// c = ((m1 * blend) + (m2 * one_minus_blend)) * gain; m = (m * decay) + (u * one_minus_decay).
+struct CompensatorCoeffs {
+  float gain;             // eta
+  float blend;            // a
+  float one_minus_blend;  // 1 - a
+  float slow_decay;       // beta1
+  float one_minus_slow;   // 1 - beta1
+  float fast_decay;       // beta2
+  float one_minus_fast;   // 1 - beta2
+};
+static_assert(sizeof(CompensatorCoeffs) == 7 * sizeof(float), "CompensatorCoeffs must be 7 packed floats");
+
+// Shape of one call, identical to echo_ds.collective.Layout.
+struct Layout {
+  int64_t numel;               // real elements n of x / y
+  int32_t world_size;          // P
+  int32_t group_size;          // g
+  int64_t groups_per_segment;  // G
+};
+static_assert(sizeof(Layout) == 24, "Layout layout");
+
+inline int64_t groups_per_segment(int64_t numel, int world_size, int group_size) {
+  const int64_t chunk = int64_t(world_size) * group_size;
+  const int64_t chunks = numel <= 0 ? 1 : (numel + chunk - 1) / chunk;
+  return chunks;  // padded = chunks * P * g, so each of the P segments holds `chunks` groups
+}
+inline int64_t segment_numel(const Layout& l) { return l.groups_per_segment * l.group_size; }
+inline int64_t padded_numel(const Layout& l) { return segment_numel(l) * l.world_size; }
+inline int code_bytes_per_group(int group_size, int bits) { return group_size * bits / 8; }
+
+// ---------------------------------------------------------------------------------------------------
+// 1. Entry (push): groups [group_begin, group_begin + num_groups) of every segment.
+// ---------------------------------------------------------------------------------------------------
+struct PushQuantizeArgs {
+  Layout layout;
+  const void* x;        // [numel] x_dtype (16-byte alignment enables the vector path)
+  DType x_dtype;
+  int32_t rank;         // i: segment i goes to own_out, the others to out[j]
+  int32_t bits;         // 4 or 8
+  Policy policy;
+  int64_t group_begin;  // tile of groups inside each segment
+  int64_t num_groups;
+  // Compensation (at most one of the two forms; both null: none).
+  const float* m1;          // [padded] fp32 slow average, read only
+  const float* m2;          // [padded] fp32 fast average, read only
+  const float* correction;  // [padded] fp32 c precomputed by the update kernel
+  CompensatorCoeffs coeffs;
+  HadamardSpec hadamard;
+  const float* pow2_amax;  // device scalar: max |r'| over all ranks; null: no rescaling (k = 0)
+  QuantTable out;          // out[j] for j != rank
+  float* own_out;          // [S] fp32 rs of the owned segment (indexed by group inside the segment)
+  float* residual_out;     // null, or [padded] fp32: u = -(e 2^-k) of the sent segments (residual "local")
+};
+void launch_push_quantize(const PushQuantizeArgs& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------
+// 2. Owner reduce: groups [group_begin, group_begin + num_groups) of the owned segment.
+// ---------------------------------------------------------------------------------------------------
+struct OwnerReduceArgs {
+  Layout layout;
+  int32_t rank;  // the owner
+  int32_t bits;
+  Policy policy;
+  int32_t pad_;
+  int64_t group_begin;
+  int64_t num_groups;
+  const float* own;        // [S] fp32, what launch_push_quantize wrote to own_out
+  QuantTable in;           // in[r] for r != rank: the copy rank r sent
+  QuantTable out;          // every non-null out[d] receives the reduced codes
+  const float* pow2_amax;  // as in PushQuantizeArgs
+  float* residual_out;     // null, or [S] fp32: u = -(e 2^-k) of the requantized segment ("local")
+};
+void launch_owner_reduce(const OwnerReduceArgs& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------
+// 3. Dequantize (gather / tail): segments [segment_begin, +num_segments), groups [group_begin, +num_groups).
+// ---------------------------------------------------------------------------------------------------
+struct DequantizeArgs {
+  Layout layout;
+  void* out;  // [numel] out_dtype; elements past numel (padding) are not written
+  DType out_dtype;
+  int32_t bits;
+  int32_t segment_begin;
+  int32_t num_segments;
+  int64_t group_begin;
+  int64_t num_groups;
+  QuantTable in;  // in[j]: the reduced codes of segment j
+  HadamardSpec hadamard;
+  const float* pow2_amax;
+};
+void launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------
+// 4. Compensator update (meant for a side stream beside the next matrix product).
+// ---------------------------------------------------------------------------------------------------
+// residual "output": u = r' - s_hat / P, r' = rotate(x) + c(m1, m2) recomputed from x and the state,
+// s_hat decoded from the gathered codes. Then m1, m2 in place; correction_out (if set) = c of the new
+// state, for the next call's entry.
+struct CompensatorUpdateOutputArgs {
+  Layout layout;
+  const void* x;
+  DType x_dtype;
+  int32_t bits;
+  float* m1;  // [padded] fp32, in place
+  float* m2;
+  float* correction_out;  // null or [padded] fp32
+  CompensatorCoeffs coeffs;
+  QuantTable in;  // in[j]: the reduced codes of segment j, as launch_dequantize reads them
+  HadamardSpec hadamard;
+  const float* pow2_amax;
+};
+void launch_compensator_update_output(const CompensatorUpdateOutputArgs& args, cudaStream_t stream);
+
+// residual "local": u was written by launch_push_quantize (sent segments) and launch_owner_reduce (own).
+struct CompensatorUpdateLocalArgs {
+  int64_t padded_numel;  // multiple of 4
+  const float* u;
+  float* m1;
+  float* m2;
+  float* correction_out;  // null or [padded]
+  CompensatorCoeffs coeffs;
+};
+void launch_compensator_update_local(const CompensatorUpdateLocalArgs& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------
+// pow2 rescaling: amax_out = max over the padded tensor of |rotate(x) + c| (NaN if any is NaN).
+// The max over ranks (one scalar all-reduce) is the caller's; the other kernels read the result.
+// ---------------------------------------------------------------------------------------------------
+struct Pow2AmaxArgs {
+  Layout layout;
+  const void* x;
+  DType x_dtype;
+  int32_t pad_;
+  const float* m1;
+  const float* m2;
+  const float* correction;
+  CompensatorCoeffs coeffs;
+  HadamardSpec hadamard;
+  float* amax_out;  // device scalar, overwritten
+};
+void launch_pow2_amax(const Pow2AmaxArgs& args, cudaStream_t stream);
+
+}  // namespace echo

@@ -1,0 +1,348 @@
+// The torch-facing layer: every tensor is checked here (TORCH_CHECK) and turned into raw pointers for
+// echo_api.cuh. Outputs are always passed in (they may be views of a peer's memory); nothing is allocated.
+//
+// The stream is passed in as its raw handle (torch.cuda.current_stream().cuda_stream), and the caller
+// makes the tensors' device current: this file then needs no CUDA headers of torch, so it compiles
+// against any torch build (CI compiles it against the CPU wheel).
+//
+// Tables of quantized segments are three lists of P tensors (codes uint8, scales fp16, zeros fp16); an
+// entry with no elements stands for "none" (the rank's own segment, or a destination not written).
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "echo_api.cuh"
+
+namespace {
+
+using echo::CompensatorCoeffs;
+using echo::DType;
+using echo::HadamardSpec;
+using echo::Layout;
+using echo::Policy;
+using echo::QuantTable;
+
+using OptTensor = std::optional<at::Tensor>;
+
+cudaStream_t as_stream(int64_t stream) { return reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)); }
+
+bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+void check_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), name, " is undefined");
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_aligned(const at::Tensor& t, const char* name, int64_t bytes) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, name, " must be ", bytes,
+              "-byte aligned (data_ptr ", t.data_ptr(), ")");
+}
+
+// An fp32 array of at least `numel` elements, 16-byte aligned (state, workspaces).
+float* f32_array(const at::Tensor& t, const char* name, int64_t numel) {
+  check_tensor(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.numel() >= numel, name, " has ", t.numel(), " elements, needs ", numel);
+  check_aligned(t, name, 16);
+  return t.data_ptr<float>();
+}
+float* opt_f32_array(const OptTensor& t, const char* name, int64_t numel) {
+  return present(t) ? f32_array(*t, name, numel) : nullptr;
+}
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+  return DType::kFloat32;
+}
+
+Policy policy_of(int64_t policy) {
+  TORCH_CHECK(policy >= 0 && policy <= 2, "policy must be 0 (zero_aware), 1 (symmetric) or 2 (naive), got ", policy);
+  return static_cast<Policy>(policy);
+}
+
+Layout make_layout(int64_t numel, int64_t world_size, int64_t group_size) {
+  TORCH_CHECK(world_size >= 2 && world_size <= echo::kMaxWorldSize, "world_size must be in [2, ",
+              echo::kMaxWorldSize, "], got ", world_size);
+  TORCH_CHECK(group_size == 64 || group_size == 128 || group_size == 256,
+              "the kernels support group_size 64, 128, 256, got ", group_size);
+  Layout l;
+  l.numel = numel;
+  l.world_size = static_cast<int32_t>(world_size);
+  l.group_size = static_cast<int32_t>(group_size);
+  l.groups_per_segment = echo::groups_per_segment(numel, static_cast<int>(world_size), static_cast<int>(group_size));
+  return l;
+}
+
+void check_bits(int64_t bits) { TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits); }
+
+// Table of P entries, each with room for groups [0, G) of one segment. skip: an index that must be empty
+// (-1: none must be, -2: any may be).
+QuantTable make_table(const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
+                      const std::vector<at::Tensor>& zeros, const Layout& l, int64_t bits, const char* name) {
+  const int P = l.world_size;
+  TORCH_CHECK(static_cast<int>(codes.size()) == P && static_cast<int>(scales.size()) == P &&
+                  static_cast<int>(zeros.size()) == P,
+              name, ": codes, scales and zeros must be lists of world_size = ", P, " tensors");
+  QuantTable t{};
+  const int64_t code_bytes = l.groups_per_segment * echo::code_bytes_per_group(l.group_size, static_cast<int>(bits));
+  for (int j = 0; j < P; ++j) {
+    const bool empty = !codes[j].defined() || codes[j].numel() == 0;
+    if (empty) continue;
+    check_tensor(codes[j], name);
+    check_tensor(scales[j], name);
+    check_tensor(zeros[j], name);
+    TORCH_CHECK(codes[j].scalar_type() == at::kByte, name, "[", j, "] codes must be uint8");
+    TORCH_CHECK(scales[j].scalar_type() == at::kHalf && zeros[j].scalar_type() == at::kHalf, name, "[", j,
+                "] scales and zeros must be float16");
+    TORCH_CHECK(codes[j].numel() >= code_bytes, name, "[", j, "] codes has ", codes[j].numel(), " bytes, needs ",
+                code_bytes);
+    TORCH_CHECK(scales[j].numel() >= l.groups_per_segment && zeros[j].numel() >= l.groups_per_segment, name, "[",
+                j, "] scales/zeros need ", l.groups_per_segment, " elements");
+    check_aligned(codes[j], name, 16);
+    t.codes[j] = codes[j].data_ptr<uint8_t>();
+    t.scales[j] = reinterpret_cast<uint16_t*>(scales[j].data_ptr<at::Half>());
+    t.zeros[j] = reinterpret_cast<uint16_t*>(zeros[j].data_ptr<at::Half>());
+  }
+  return t;
+}
+
+HadamardSpec make_hadamard(const std::vector<int64_t>& sign_words, double norm, int64_t group_size) {
+  HadamardSpec h{};
+  h.enabled = sign_words.empty() ? 0 : 1;
+  h.norm = static_cast<float>(norm);
+  if (h.enabled) {
+    TORCH_CHECK(static_cast<int64_t>(sign_words.size()) == group_size / 32, "hadamard sign words: need ",
+                group_size / 32, " 32-bit words, got ", sign_words.size());
+    for (size_t i = 0; i < sign_words.size(); ++i) h.sign_bits[i] = static_cast<uint32_t>(sign_words[i]);
+  }
+  return h;
+}
+
+CompensatorCoeffs make_coeffs(const std::vector<double>& c) {
+  CompensatorCoeffs k{};
+  if (c.empty()) return k;
+  TORCH_CHECK(c.size() == 7, "coeffs: gain, blend, 1-blend, slow_decay, 1-slow, fast_decay, 1-fast (7 values)");
+  // The values are fp32 already (Compensator rounds them), so these conversions are exact.
+  k.gain = static_cast<float>(c[0]);
+  k.blend = static_cast<float>(c[1]);
+  k.one_minus_blend = static_cast<float>(c[2]);
+  k.slow_decay = static_cast<float>(c[3]);
+  k.one_minus_slow = static_cast<float>(c[4]);
+  k.fast_decay = static_cast<float>(c[5]);
+  k.one_minus_fast = static_cast<float>(c[6]);
+  return k;
+}
+
+const float* opt_scalar(const OptTensor& t, const char* name) {
+  if (!present(t)) return nullptr;
+  check_tensor(*t, name);
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() >= 1, name, " must be a float32 tensor of 1 element");
+  return t->data_ptr<float>();
+}
+
+void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& correction,
+                   const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
+                   const std::vector<at::Tensor>& zeros, const at::Tensor& own_out, const OptTensor& residual_out,
+                   const OptTensor& pow2_amax, int64_t rank, int64_t world_size, int64_t group_size, int64_t bits,
+                   int64_t policy, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
+                   const std::vector<double>& coeffs, int64_t group_begin, int64_t num_groups, int64_t stream) {
+  check_tensor(x, "x");
+  check_bits(bits);
+  echo::PushQuantizeArgs a{};
+  a.layout = make_layout(x.numel(), world_size, group_size);
+  const int64_t padded = echo::padded_numel(a.layout);
+  const int64_t G = a.layout.groups_per_segment;
+  TORCH_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " outside [0, ", world_size, ")");
+  if (num_groups < 0) num_groups = G - group_begin;
+  TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
+              group_begin + num_groups, ") outside the segment's ", G);
+  TORCH_CHECK(present(m1) == present(m2), "m1 and m2 come together");
+  TORCH_CHECK(!(present(m1) && present(correction)), "pass the state (m1, m2) or the correction, not both");
+  TORCH_CHECK(!(present(m1) || present(correction)) || !coeffs.empty() || present(correction),
+              "compensating from the state needs coeffs");
+  a.x = x.data_ptr();
+  a.x_dtype = dtype_of(x, "x");
+  a.rank = static_cast<int32_t>(rank);
+  a.bits = static_cast<int32_t>(bits);
+  a.policy = policy_of(policy);
+  a.group_begin = group_begin;
+  a.num_groups = num_groups;
+  a.m1 = opt_f32_array(m1, "m1", padded);
+  a.m2 = opt_f32_array(m2, "m2", padded);
+  a.correction = opt_f32_array(correction, "correction", padded);
+  a.coeffs = make_coeffs(coeffs);
+  a.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
+  a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
+  a.out = make_table(codes, scales, zeros, a.layout, bits, "push_quantize out");
+  for (int j = 0; j < world_size; ++j) {
+    TORCH_CHECK(j == rank || a.out.codes[j] != nullptr, "push_quantize: no destination for segment ", j);
+  }
+  a.own_out = f32_array(own_out, "own_out", G * group_size);
+  a.residual_out = opt_f32_array(residual_out, "residual_out", padded);
+  echo::launch_push_quantize(a, as_stream(stream));
+}
+
+void owner_reduce(const at::Tensor& own, const std::vector<at::Tensor>& in_codes,
+                  const std::vector<at::Tensor>& in_scales, const std::vector<at::Tensor>& in_zeros,
+                  const std::vector<at::Tensor>& out_codes, const std::vector<at::Tensor>& out_scales,
+                  const std::vector<at::Tensor>& out_zeros, const OptTensor& residual_out, const OptTensor& pow2_amax,
+                  int64_t numel, int64_t rank, int64_t world_size, int64_t group_size, int64_t bits, int64_t policy,
+                  int64_t group_begin, int64_t num_groups, int64_t stream) {
+  check_tensor(own, "own");
+  check_bits(bits);
+  echo::OwnerReduceArgs a{};
+  a.layout = make_layout(numel, world_size, group_size);
+  const int64_t G = a.layout.groups_per_segment;
+  TORCH_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " outside [0, ", world_size, ")");
+  if (num_groups < 0) num_groups = G - group_begin;
+  TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
+              group_begin + num_groups, ") outside the segment's ", G);
+  a.rank = static_cast<int32_t>(rank);
+  a.bits = static_cast<int32_t>(bits);
+  a.policy = policy_of(policy);
+  a.group_begin = group_begin;
+  a.num_groups = num_groups;
+  a.own = f32_array(own, "own", G * group_size);
+  a.in = make_table(in_codes, in_scales, in_zeros, a.layout, bits, "owner_reduce in");
+  for (int r = 0; r < world_size; ++r) {
+    TORCH_CHECK(r == rank || a.in.codes[r] != nullptr, "owner_reduce: no copy from rank ", r);
+  }
+  a.out = make_table(out_codes, out_scales, out_zeros, a.layout, bits, "owner_reduce out");
+  a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
+  a.residual_out = opt_f32_array(residual_out, "residual_out", G * group_size);
+  echo::launch_owner_reduce(a, as_stream(stream));
+}
+
+void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
+                const std::vector<at::Tensor>& zeros, const OptTensor& pow2_amax, int64_t world_size,
+                int64_t group_size, int64_t bits, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
+                int64_t segment_begin, int64_t num_segments, int64_t group_begin, int64_t num_groups, int64_t stream) {
+  check_tensor(out, "out");
+  check_bits(bits);
+  echo::DequantizeArgs a{};
+  a.layout = make_layout(out.numel(), world_size, group_size);
+  const int64_t G = a.layout.groups_per_segment;
+  if (num_segments < 0) num_segments = world_size - segment_begin;
+  if (num_groups < 0) num_groups = G - group_begin;
+  TORCH_CHECK(segment_begin >= 0 && segment_begin + num_segments <= world_size, "segments outside [0, P)");
+  TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups outside the segment");
+  a.out = out.data_ptr();
+  a.out_dtype = dtype_of(out, "out");
+  a.bits = static_cast<int32_t>(bits);
+  a.segment_begin = static_cast<int32_t>(segment_begin);
+  a.num_segments = static_cast<int32_t>(num_segments);
+  a.group_begin = group_begin;
+  a.num_groups = num_groups;
+  a.in = make_table(codes, scales, zeros, a.layout, bits, "dequantize in");
+  for (int64_t j = segment_begin; j < segment_begin + num_segments; ++j) {
+    TORCH_CHECK(a.in.codes[j] != nullptr, "dequantize: no codes for segment ", j);
+  }
+  a.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
+  a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
+  echo::launch_dequantize(a, as_stream(stream));
+}
+
+void compensator_update_output(const at::Tensor& x, const at::Tensor& m1, const at::Tensor& m2,
+                               const OptTensor& correction_out, const std::vector<at::Tensor>& codes,
+                               const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& zeros,
+                               const OptTensor& pow2_amax, int64_t world_size, int64_t group_size, int64_t bits,
+                               const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
+                               const std::vector<double>& coeffs, int64_t stream) {
+  check_tensor(x, "x");
+  check_bits(bits);
+  echo::CompensatorUpdateOutputArgs a{};
+  a.layout = make_layout(x.numel(), world_size, group_size);
+  const int64_t padded = echo::padded_numel(a.layout);
+  a.x = x.data_ptr();
+  a.x_dtype = dtype_of(x, "x");
+  a.bits = static_cast<int32_t>(bits);
+  a.m1 = f32_array(m1, "m1", padded);
+  a.m2 = f32_array(m2, "m2", padded);
+  a.correction_out = opt_f32_array(correction_out, "correction_out", padded);
+  TORCH_CHECK(!coeffs.empty(), "the update needs coeffs");
+  a.coeffs = make_coeffs(coeffs);
+  a.in = make_table(codes, scales, zeros, a.layout, bits, "compensator_update_output in");
+  for (int j = 0; j < world_size; ++j) {
+    TORCH_CHECK(a.in.codes[j] != nullptr, "compensator_update_output: no codes for segment ", j);
+  }
+  a.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
+  a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
+  echo::launch_compensator_update_output(a, as_stream(stream));
+}
+
+void compensator_update_local(const at::Tensor& u, const at::Tensor& m1, const at::Tensor& m2,
+                              const OptTensor& correction_out, const std::vector<double>& coeffs, int64_t stream) {
+  check_tensor(u, "u");
+  echo::CompensatorUpdateLocalArgs a{};
+  a.padded_numel = u.numel();
+  TORCH_CHECK(a.padded_numel % 4 == 0, "u must have the padded length (a multiple of 4)");
+  a.u = f32_array(u, "u", a.padded_numel);
+  a.m1 = f32_array(m1, "m1", a.padded_numel);
+  a.m2 = f32_array(m2, "m2", a.padded_numel);
+  a.correction_out = opt_f32_array(correction_out, "correction_out", a.padded_numel);
+  TORCH_CHECK(!coeffs.empty(), "the update needs coeffs");
+  a.coeffs = make_coeffs(coeffs);
+  echo::launch_compensator_update_local(a, as_stream(stream));
+}
+
+void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor& m1, const OptTensor& m2,
+               const OptTensor& correction, int64_t world_size, int64_t group_size,
+               const std::vector<int64_t>& hadamard_signs, double hadamard_norm, const std::vector<double>& coeffs, int64_t stream) {
+  check_tensor(x, "x");
+  echo::Pow2AmaxArgs a{};
+  a.layout = make_layout(x.numel(), world_size, group_size);
+  const int64_t padded = echo::padded_numel(a.layout);
+  TORCH_CHECK(present(m1) == present(m2), "m1 and m2 come together");
+  TORCH_CHECK(!(present(m1) && present(correction)), "pass the state (m1, m2) or the correction, not both");
+  TORCH_CHECK(!present(m1) || !coeffs.empty(), "compensating from the state needs coeffs");
+  a.x = x.data_ptr();
+  a.x_dtype = dtype_of(x, "x");
+  a.m1 = opt_f32_array(m1, "m1", padded);
+  a.m2 = opt_f32_array(m2, "m2", padded);
+  a.correction = opt_f32_array(correction, "correction", padded);
+  a.coeffs = make_coeffs(coeffs);
+  a.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
+  check_tensor(amax_out, "amax_out");
+  TORCH_CHECK(amax_out.scalar_type() == at::kFloat && amax_out.numel() >= 1, "amax_out must be float32 [1]");
+  a.amax_out = amax_out.data_ptr<float>();
+  echo::launch_pow2_amax(a, as_stream(stream));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "Echo CUDA kernels (echo_ds.ops): entry, owner reduce, dequantize, compensator update, pow2 amax";
+  m.def("push_quantize", &push_quantize, py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("correction"),
+        py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("own_out"), py::arg("residual_out"),
+        py::arg("pow2_amax"), py::arg("rank"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"),
+        py::arg("policy"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("coeffs"),
+        py::arg("group_begin"), py::arg("num_groups"), py::arg("stream"));
+  m.def("owner_reduce", &owner_reduce, py::arg("own"), py::arg("in_codes"), py::arg("in_scales"),
+        py::arg("in_zeros"), py::arg("out_codes"), py::arg("out_scales"), py::arg("out_zeros"),
+        py::arg("residual_out"), py::arg("pow2_amax"), py::arg("numel"), py::arg("rank"), py::arg("world_size"),
+        py::arg("group_size"), py::arg("bits"), py::arg("policy"), py::arg("group_begin"), py::arg("num_groups"), py::arg("stream"));
+  m.def("dequantize", &dequantize, py::arg("out"), py::arg("codes"), py::arg("scales"), py::arg("zeros"),
+        py::arg("pow2_amax"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"),
+        py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("segment_begin"), py::arg("num_segments"),
+        py::arg("group_begin"), py::arg("num_groups"), py::arg("stream"));
+  m.def("compensator_update_output", &compensator_update_output, py::arg("x"), py::arg("m1"), py::arg("m2"),
+        py::arg("correction_out"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("pow2_amax"),
+        py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("hadamard_signs"),
+        py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
+  m.def("compensator_update_local", &compensator_update_local, py::arg("u"), py::arg("m1"), py::arg("m2"),
+        py::arg("correction_out"), py::arg("coeffs"), py::arg("stream"));
+  m.def("pow2_amax", &pow2_amax, py::arg("x"), py::arg("amax_out"), py::arg("m1"), py::arg("m2"),
+        py::arg("correction"), py::arg("world_size"), py::arg("group_size"), py::arg("hadamard_signs"),
+        py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
+  m.attr("kMaxWorldSize") = echo::kMaxWorldSize;
+  m.attr("kMinGroupSize") = echo::kMinGroupSize;
+  m.attr("kMaxGroupSize") = echo::kMaxGroupSize;
+}

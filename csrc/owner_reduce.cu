@@ -1,0 +1,100 @@
+// Stage 2, owner reduce: acc = sum over ranks r = 0 .. P-1 in that order of (own rs if r is the owner,
+// else decode(copy of r)), fp32, ((t0 + t1) + t2) + ... (collective.ordered_sum); acc is quantized once
+// and written to every destination of the table (its own gather buffer and/or its peers').
+#include "echo_common.cuh"
+
+namespace echo {
+namespace {
+
+using namespace detail;
+
+template <int kWorld, int kBits, int kGroupSize>
+__global__ void __launch_bounds__(kThreadsPerBlock) owner_reduce_kernel(const OwnerReduceArgs a) {
+  constexpr int kLanes = kGroupSize / kElemsPerThread;
+  constexpr int kCodeBytes = kGroupSize * kBits / 8;
+  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
+  const int64_t item = tid / kLanes;
+  const int lane = static_cast<int>(tid % kLanes);
+  if (item >= a.num_groups) return;
+  const int64_t gi = a.group_begin + item;
+  const int64_t in_seg = gi * kGroupSize + int64_t(lane) * kElemsPerThread;
+  const int64_t code_offset = gi * kCodeBytes + lane * Codes<kBits>::kBytesPerThread;
+
+  // Every load first, so that the P copies are in flight together.
+  float own[kElemsPerThread];
+  load16_f32(a.own + in_seg, own);
+  Codes<kBits> copies[kWorld];
+  uint16_t scale_bits[kWorld];
+  uint16_t zero_bits[kWorld];
+#pragma unroll
+  for (int r = 0; r < kWorld; ++r) {
+    if (r != a.rank) {
+      copies[r] = load_codes<kBits>(a.in.codes[r] + code_offset);
+      scale_bits[r] = a.in.scales[r][gi];
+      zero_bits[r] = a.in.zeros[r][gi];
+    }
+  }
+
+  float acc[kElemsPerThread];
+#pragma unroll
+  for (int r = 0; r < kWorld; ++r) {
+    float t[kElemsPerThread];
+    if (r == a.rank) {
+#pragma unroll
+      for (int i = 0; i < kElemsPerThread; ++i) t[i] = own[i];
+    } else {
+      const GroupParams p = params_from_bits(scale_bits[r], zero_bits[r]);
+      decode<kBits>(copies[r], p.scale, p.zero, t);
+    }
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) acc[i] = (r == 0) ? t[i] : f_add(acc[i], t[i]);
+  }
+
+  Codes<kBits> codes;
+  const GroupParams p = quantize_group<kBits, kLanes>(acc, a.policy, codes);
+#pragma unroll
+  for (int d = 0; d < kWorld; ++d) {
+    if (a.out.codes[d] != nullptr) {
+      store_codes<kBits>(a.out.codes[d] + code_offset, codes);
+      if (lane == 0) {
+        a.out.scales[d][gi] = p.scale_bits;
+        a.out.zeros[d][gi] = p.zero_bits;
+      }
+    }
+  }
+
+  if (a.residual_out != nullptr) {
+    // residual "local", own share: e = s_hat_scaled - acc, u = -(e 2^-k).
+    const int k = pow2_exponent(a.pow2_amax);
+    const float down = exp2_int(-k);
+    float u[kElemsPerThread];
+    decode<kBits>(codes, p.scale, p.zero, u);
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) {
+      const float err = f_sub(u[i], acc[i]);
+      u[i] = -(k != 0 ? f_mul(err, down) : err);
+    }
+    store16_f32(a.residual_out + in_seg, u);
+  }
+}
+
+}  // namespace
+
+void launch_owner_reduce(const OwnerReduceArgs& a, cudaStream_t stream) {
+  ECHO_HOST_ASSERT(a.rank >= 0 && a.rank < a.layout.world_size, "rank out of range");
+  ECHO_HOST_ASSERT(a.group_begin >= 0 && a.num_groups >= 0 &&
+                       a.group_begin + a.num_groups <= a.layout.groups_per_segment,
+                   "group range outside the segment");
+  for (int r = 0; r < a.layout.world_size && r < kMaxWorldSize; ++r) {
+    ECHO_HOST_ASSERT(r == a.rank || (a.in.codes[r] && a.in.scales[r] && a.in.zeros[r]),
+                     "owner reduce needs the copy of every other rank");
+  }
+  if (a.num_groups == 0) return;
+  ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+    constexpr int kLanes = kGroup / kElemsPerThread;
+    owner_reduce_kernel<kWorld, kBits, kGroup><<<num_blocks(a.num_groups * kLanes), kThreadsPerBlock, 0, stream>>>(a);
+    ECHO_CHECK(cudaGetLastError());
+  })));
+}
+
+}  // namespace echo

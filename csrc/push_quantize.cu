@@ -1,0 +1,83 @@
+// Stage 1, entry (push): x -> r' = rotate(x) + c -> rs = r' 2^k -> codes of the non-owned segments,
+// fp32 rs of the owned one. The correction, the rotation and the statistics live in registers only;
+// x' is never written (paper, section 5.3).
+#include "echo_common.cuh"
+
+namespace echo {
+namespace {
+
+using namespace detail;
+
+template <typename T, int kBits, int kGroupSize>
+__global__ void __launch_bounds__(kThreadsPerBlock) push_quantize_kernel(const PushQuantizeArgs a) {
+  constexpr int kLanes = kGroupSize / kElemsPerThread;
+  constexpr int kCodeBytes = kGroupSize * kBits / 8;
+  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
+  const int64_t item = tid / kLanes;  // one group of one segment; all lanes of a group share it
+  const int lane = static_cast<int>(tid % kLanes);
+  const int world_size = a.layout.world_size;
+  if (item >= int64_t(world_size) * a.num_groups) return;  // whole groups leave together
+  const int seg = static_cast<int>(item / a.num_groups);
+  const int64_t gi = a.group_begin + item % a.num_groups;
+  const int64_t seg_numel = a.layout.groups_per_segment * kGroupSize;
+  const int64_t in_seg = gi * kGroupSize + int64_t(lane) * kElemsPerThread;
+  const int64_t e = int64_t(seg) * seg_numel + in_seg;  // index into the padded tensor
+
+  float v[kElemsPerThread];
+  load16(static_cast<const T*>(a.x), e, a.layout.numel, aligned16(a.x), v);
+  compensated_input<kLanes>(v, lane, e, a.hadamard, a.m1, a.m2, a.correction, a.coeffs);
+  const int k = pow2_exponent(a.pow2_amax);
+  if (k != 0) {
+    const float up = exp2_int(k);
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], up);
+  }
+
+  if (seg == a.rank) {  // the owned segment enters the owner's sum unquantized
+    store16_f32(a.own_out + in_seg, v);
+    return;
+  }
+
+  Codes<kBits> codes;
+  const GroupParams p = quantize_group<kBits, kLanes>(v, a.policy, codes);
+  store_codes<kBits>(a.out.codes[seg] + gi * kCodeBytes + lane * Codes<kBits>::kBytesPerThread, codes);
+  if (lane == 0) {
+    a.out.scales[seg][gi] = p.scale_bits;
+    a.out.zeros[seg][gi] = p.zero_bits;
+  }
+
+  if (a.residual_out != nullptr) {
+    // residual "local": u = -(e 2^-k), e = decode(codes) - rs, the rounding error this rank added.
+    float u[kElemsPerThread];
+    decode<kBits>(codes, p.scale, p.zero, u);
+    const float down = exp2_int(-k);
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) {
+      const float err = f_sub(u[i], v[i]);
+      u[i] = -(k != 0 ? f_mul(err, down) : err);
+    }
+    store16_f32(a.residual_out + e, u);
+  }
+}
+
+}  // namespace
+
+void launch_push_quantize(const PushQuantizeArgs& a, cudaStream_t stream) {
+  ECHO_HOST_ASSERT(a.layout.world_size >= 2 && a.layout.world_size <= kMaxWorldSize, "world size out of range");
+  ECHO_HOST_ASSERT(a.rank >= 0 && a.rank < a.layout.world_size, "rank out of range");
+  ECHO_HOST_ASSERT(a.group_begin >= 0 && a.num_groups >= 0 &&
+                       a.group_begin + a.num_groups <= a.layout.groups_per_segment,
+                   "group range outside the segment");
+  ECHO_HOST_ASSERT(!(a.m1 != nullptr && a.correction != nullptr), "pass the state or the correction, not both");
+  ECHO_HOST_ASSERT((a.m1 == nullptr) == (a.m2 == nullptr), "m1 and m2 come together");
+  if (a.num_groups == 0) return;
+  ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, (void)kWorld);  // raises for unsupported P
+  ECHO_DISPATCH_DTYPE(a.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+    constexpr int kLanes = kGroup / kElemsPerThread;
+    const int64_t threads = int64_t(a.layout.world_size) * a.num_groups * kLanes;
+    push_quantize_kernel<T, kBits, kGroup><<<num_blocks(threads), kThreadsPerBlock, 0, stream>>>(a);
+    ECHO_CHECK(cudaGetLastError());
+  })));
+}
+
+}  // namespace echo

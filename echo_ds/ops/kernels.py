@@ -1,0 +1,285 @@
+"""Torch-facing wrappers of the Echo CUDA kernels (csrc/echo_api.cuh describes the stages).
+
+Every function writes into tensors the caller passes (they may be views of a peer's memory, opened over
+CUDA IPC); none allocates an output. They run on the current stream of the tensors' device (use
+``torch.cuda.stream(s)`` for a side stream) and return nothing.
+
+Shapes, for n = x.numel() elements on P ranks with group size g (echo_ds.collective.Layout):
+    G = groups_per_segment, S = G * g (segment), padded = P * S.
+A *segment table* is a :class:`SegmentTable` of P entries (codes uint8 [>= G * g * bits / 8],
+scales float16 [>= G], zeros float16 [>= G]), any entry may be None where the stage neither reads nor
+writes it. ``packet_views`` cuts one reference-layout packet (codes, then scales, then zeros, as
+echo_ds.reference._packet) into such an entry.
+
+Numerics: bit for bit those of echo_ds.reference / echo_ds.emulate on a CUDA device (see docs/kernels.md
+for the one place where PyTorch on the CPU gives other bits).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+
+from echo_ds import quant as Q
+from echo_ds.collective import Layout
+from echo_ds.quant import QuantSpec
+
+POLICY_CODES = {"zero_aware": 0, "symmetric": 1, "naive": 2}
+SUPPORTED_WORLD_SIZES = (2, 3, 4, 8)
+SUPPORTED_GROUP_SIZES = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Every code buffer must start on a 16-byte boundary (the kernels store codes as 8/16-byte vectors).
+kCodeAlignmentBytes = 16
+
+
+def unsupported_reason(world_size: int, spec: QuantSpec, dtype: torch.dtype = torch.float16) -> Optional[str]:
+    """Why the kernels cannot run this configuration (None: they can). Pure; needs no GPU."""
+    if world_size not in SUPPORTED_WORLD_SIZES:
+        return f"unsupported world size {world_size} (the kernels are built for {SUPPORTED_WORLD_SIZES})"
+    if spec.group_size not in SUPPORTED_GROUP_SIZES:
+        return f"group_size={spec.group_size} (the kernels are built for {SUPPORTED_GROUP_SIZES})"
+    if spec.bits not in (4, 8):
+        return f"bits={spec.bits}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} (the kernels take float32, float16, bfloat16)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Constants handed to the kernels
+# ----------------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def hadamard_sign_words(group_size: int) -> tuple:
+    """quant.hadamard_signs(g) as g/32 32-bit words: bit i set <=> the sign of element i is -1."""
+    signs = Q.hadamard_signs(group_size)
+    words = [0] * (group_size // 32)
+    for i, s in enumerate(signs.tolist()):
+        if s < 0:
+            words[i // 32] |= 1 << (i % 32)
+    return tuple(words)
+
+
+def _hadamard_args(spec: QuantSpec):
+    if not spec.rotation:
+        return [], 0.0
+    return list(hadamard_sign_words(spec.group_size)), Q.hadamard_norm(spec.group_size)
+
+
+class CompensatorCoefficients(NamedTuple):
+    """The fp32-rounded coefficients of a Compensator, in the kernels' order."""
+
+    gain: float
+    blend: float
+    one_minus_blend: float
+    slow_decay: float
+    one_minus_slow: float
+    fast_decay: float
+    one_minus_fast: float
+
+    @classmethod
+    def of(cls, compensator) -> "CompensatorCoefficients":
+        c = compensator
+        return cls(c.gain, c.blend, c.one_minus_blend, c.slow_decay, c.one_minus_slow, c.fast_decay,
+                   c.one_minus_fast)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Segment tables and packets
+# ----------------------------------------------------------------------------------------------------
+
+class SegmentTable(NamedTuple):
+    codes: List[Optional[torch.Tensor]]
+    scales: List[Optional[torch.Tensor]]
+    zeros: List[Optional[torch.Tensor]]
+
+    @classmethod
+    def of(cls, entries: Sequence[Optional[tuple]]) -> "SegmentTable":
+        """From P entries (codes, scales, zeros) or None."""
+        codes, scales, zeros = [], [], []
+        for e in entries:
+            c, s, z = e if e is not None else (None, None, None)
+            codes.append(c)
+            scales.append(s)
+            zeros.append(z)
+        return cls(codes, scales, zeros)
+
+
+def code_bytes(spec: QuantSpec) -> int:
+    return spec.group_size * spec.bits // 8
+
+
+def packet_bytes(layout: Layout, spec: QuantSpec) -> int:
+    """Bytes of one segment's packet: G * (g b / 8 + 4)."""
+    return layout.groups_per_segment * (code_bytes(spec) + 4)
+
+
+def packet_stride(layout: Layout, spec: QuantSpec) -> int:
+    """packet_bytes rounded up to kCodeAlignmentBytes: the row stride of stacked packets."""
+    b = packet_bytes(layout, spec)
+    return -(-b // kCodeAlignmentBytes) * kCodeAlignmentBytes
+
+
+def packet_views(buf: torch.Tensor, layout: Layout, spec: QuantSpec):
+    """(codes [G, g b/8] uint8, scales [G] fp16, zeros [G] fp16) views of one packet ``buf`` (uint8)."""
+    G = layout.groups_per_segment
+    cb = code_bytes(spec)
+    n = G * cb
+    codes = buf[:n].view(G, cb)
+    scales = buf[n:n + 2 * G].view(torch.float16)
+    zeros = buf[n + 2 * G:n + 4 * G].view(torch.float16)
+    return codes, scales, zeros
+
+
+def alloc_packets(num: int, layout: Layout, spec: QuantSpec, device) -> torch.Tensor:
+    """[num, packet_stride] uint8 rows, each holding one packet at its start (helper for callers/tests)."""
+    return torch.empty((num, packet_stride(layout, spec)), dtype=torch.uint8, device=device)
+
+
+def packet_table(rows: Sequence[Optional[torch.Tensor]], layout: Layout, spec: QuantSpec) -> SegmentTable:
+    """SegmentTable of packet rows (None entries stay None)."""
+    return SegmentTable.of([None if r is None else packet_views(r, layout, spec) for r in rows])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------
+
+def _ops():
+    from echo_ds.ops import load
+
+    return load()
+
+
+def _empty_like_table(device):
+    return (torch.empty(0, dtype=torch.uint8, device=device), torch.empty(0, dtype=torch.float16, device=device),
+            torch.empty(0, dtype=torch.float16, device=device))
+
+
+def _table_args(table: SegmentTable, world_size: int, device):
+    if len(table.codes) != world_size:
+        raise ValueError(f"a segment table needs world_size = {world_size} entries, got {len(table.codes)}")
+    empty = _empty_like_table(device)
+    codes = [empty[0] if c is None else c for c in table.codes]
+    scales = [empty[1] if s is None else s for s in table.scales]
+    zeros = [empty[2] if z is None else z for z in table.zeros]
+    return codes, scales, zeros
+
+
+def _stream(device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _coeffs(coeffs) -> list:
+    if coeffs is None:
+        return []
+    if not isinstance(coeffs, CompensatorCoefficients):
+        coeffs = CompensatorCoefficients.of(coeffs)
+    return list(coeffs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stages
+# ----------------------------------------------------------------------------------------------------
+
+def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, out: SegmentTable,
+                  own_out: torch.Tensor, m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
+                  correction: Optional[torch.Tensor] = None, coeffs=None,
+                  residual_out: Optional[torch.Tensor] = None, pow2_amax: Optional[torch.Tensor] = None,
+                  group_begin: int = 0, num_groups: Optional[int] = None) -> None:
+    """Stage 1 (entry / push) for groups [group_begin, group_begin + num_groups) of every segment.
+
+    x: this rank's contribution, any shape, contiguous, float32 / float16 / bfloat16 (n elements).
+    out: segment table; entry j != rank receives segment j's codes and fp16 (scale, zero).
+    own_out: float32 [>= S], receives rs = (rotate(x) + c) 2^k of the owned segment (by group index).
+    m1, m2: float32 [>= padded] compensator state (read only here), or correction: float32 [>= padded],
+        a c precomputed by the update (``correction_out``); coeffs: a Compensator or its coefficients.
+    residual_out: float32 [>= padded]; residual "local": receives u = -(e 2^-k) of the sent segments.
+    pow2_amax: float32 [1] on the device, max |r'| over all ranks (None: no rescaling).
+    """
+    ops = _ops()
+    hs, hn = _hadamard_args(spec)
+    with torch.cuda.device(x.device):
+        ops.push_quantize(x, m1, m2, correction, *_table_args(out, world_size, x.device), own_out, residual_out,
+                          pow2_amax, rank, world_size, spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn,
+                          _coeffs(coeffs), group_begin, -1 if num_groups is None else num_groups,
+                          _stream(x.device))
+
+
+def owner_reduce(own: torch.Tensor, *, numel: int, rank: int, world_size: int, spec: QuantSpec,
+                 copies: SegmentTable, out: SegmentTable, residual_out: Optional[torch.Tensor] = None,
+                 pow2_amax: Optional[torch.Tensor] = None, group_begin: int = 0,
+                 num_groups: Optional[int] = None) -> None:
+    """Stage 2 (owner reduce) for groups [group_begin, group_begin + num_groups) of the owned segment.
+
+    own: float32 [>= S], what push_quantize wrote to own_out. numel: n of the call (fixes the layout).
+    copies: segment table; entry r != rank holds the copy rank r sent (entry rank is ignored).
+    out: segment table; every non-None entry d receives the reduced segment's codes and parameters.
+    residual_out: float32 [>= S]; residual "local": receives u = -(e 2^-k) of the requantization
+        (the owned segment's slice of the full residual, i.e. residual[rank * S:]).
+    """
+    ops = _ops()
+    with torch.cuda.device(own.device):
+        ops.owner_reduce(own, *_table_args(copies, world_size, own.device), *_table_args(out, world_size, own.device),
+                         residual_out, pow2_amax, numel, rank, world_size, spec.group_size, spec.bits,
+                         POLICY_CODES[spec.policy], group_begin, -1 if num_groups is None else num_groups,
+                         _stream(own.device))
+
+
+def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered: SegmentTable,
+               pow2_amax: Optional[torch.Tensor] = None, segment_begin: int = 0,
+               num_segments: Optional[int] = None, group_begin: int = 0,
+               num_groups: Optional[int] = None) -> None:
+    """Stage 3 (gather / tail): y of segments [segment_begin, +num_segments), groups [group_begin, +num_groups).
+
+    out: the result y, any shape, contiguous, float32 / float16 / bfloat16 (n elements; its numel fixes
+        the layout); elements of other segments/groups are left as they are.
+    gathered: segment table; entry j holds the reduced codes of segment j.
+    """
+    ops = _ops()
+    hs, hn = _hadamard_args(spec)
+    with torch.cuda.device(out.device):
+        ops.dequantize(out, *_table_args(gathered, world_size, out.device), pow2_amax, world_size, spec.group_size,
+                       spec.bits, hs, hn, segment_begin, -1 if num_segments is None else num_segments, group_begin,
+                       -1 if num_groups is None else num_groups, _stream(out.device))
+
+
+def compensator_update_output(x: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, world_size: int,
+                              spec: QuantSpec, gathered: SegmentTable, coeffs,
+                              pow2_amax: Optional[torch.Tensor] = None,
+                              correction_out: Optional[torch.Tensor] = None) -> None:
+    """Stage 4, residual "output": u = (rotate(x) + c) - s_hat / P; m1, m2 (float32 [>= padded]) in place.
+
+    x: the same contribution the entry read; gathered: the reduced codes of every segment (as for
+    dequantize); correction_out: float32 [>= padded], receives c of the new state (for the next entry).
+    """
+    ops = _ops()
+    hs, hn = _hadamard_args(spec)
+    with torch.cuda.device(x.device):
+        ops.compensator_update_output(x, m1, m2, correction_out, *_table_args(gathered, world_size, x.device),
+                                      pow2_amax, world_size, spec.group_size, spec.bits, hs, hn, _coeffs(coeffs),
+                                      _stream(x.device))
+
+
+def compensator_update_local(u: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, coeffs,
+                             correction_out: Optional[torch.Tensor] = None) -> None:
+    """Stage 4, residual "local": m = m decay + u (1 - decay) in place; u float32 [padded]."""
+    ops = _ops()
+    with torch.cuda.device(u.device):
+        ops.compensator_update_local(u, m1, m2, correction_out, _coeffs(coeffs), _stream(u.device))
+
+
+def pow2_amax(x: torch.Tensor, amax_out: torch.Tensor, *, world_size: int, spec: QuantSpec,
+              m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
+              correction: Optional[torch.Tensor] = None, coeffs=None) -> None:
+    """amax_out (float32 [1]) = max |rotate(x) + c| over this rank's padded tensor (NaN propagates).
+
+    Reduce it over the ranks (all_reduce MAX) before handing it to the stages as ``pow2_amax``.
+    """
+    ops = _ops()
+    hs, hn = _hadamard_args(spec)
+    with torch.cuda.device(x.device):
+        ops.pow2_amax(x, amax_out, m1, m2, correction, world_size, spec.group_size, hs, hn, _coeffs(coeffs),
+                      _stream(x.device))

@@ -1,0 +1,592 @@
+"""The CUDA kernels against the reference, bit for bit (skipped without a CUDA device).
+
+Each stage is compared with the reference's own stage functions (echo_ds.collective / quant /
+compensator) run on the same GPU, and the chained stages of P emulated ranks with
+echo_ds.emulate.emulated_echo_all_reduce. Inputs are fresh random tensors with groups of every kind
+(centred, one-sided, nearly one-sided for the zero-aware blend, wide dynamic range, exact zeros) and
+lengths that need padding; every output is poisoned before the kernels run. Equality is bitwise, with two
+stated exceptions: NaN compares by position (CUDA produces its canonical NaN, whose payload carries no
+meaning), and the fp16 zero-point +0 / -0 of a group whose minimum is a signed zero compares as equal
+(torch.amin picks either zero of a group holding both, by reduction order; the codes and every decoded
+value are identical either way).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+from echo_ds import collective as C  # noqa: E402
+from echo_ds import quant as Q  # noqa: E402
+from echo_ds.quant import QuantSpec  # noqa: E402
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BITS = (4, 8)
+POLICIES = ("zero_aware", "symmetric", "naive")
+GROUP_SIZES = (64, 128, 256)
+WORLD_SIZES = (2, 3, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    import echo_ds.ops as E
+
+    reason = E.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    E.load()
+    return E
+
+
+def dev():
+    return torch.device("cuda")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs, poison, comparisons
+# ----------------------------------------------------------------------------------------------------
+
+def random_groups(num_groups: int, g: int, gen: torch.Generator) -> torch.Tensor:
+    """fp32 [num_groups, g] with groups of every kind the quantizer distinguishes."""
+    base = torch.randn(num_groups, g, generator=gen, device=dev())
+    mode = torch.randint(0, 6, (num_groups, 1), generator=gen, device=dev())
+    scale = torch.exp(torch.empty(num_groups, 1, device=dev()).uniform_(-9.0, 9.0, generator=gen))
+    x = base
+    x = torch.where(mode == 1, base.abs() + 0.05, x)                       # one-sided positive
+    x = torch.where(mode == 2, -(base.abs() + 0.05), x)                    # one-sided negative
+    x = torch.where(mode == 3, base.abs() - 0.02 * base.abs().amax(1, keepdim=True), x)  # nearly one-sided
+    x = torch.where(mode == 4, base * (torch.rand(num_groups, g, generator=gen, device=dev()) < 0.3), x)  # zeros
+    x = torch.where(mode == 5, base + 3.0, x)                              # offset, straddle-free mostly
+    return x * scale
+
+
+def random_input(numel: int, g: int, dtype, gen) -> torch.Tensor:
+    groups = -(-numel // g)
+    return random_groups(groups, g, gen).reshape(-1)[:numel].to(dtype)
+
+
+def poison_f32(*shape):
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=dev())
+
+
+def poison_packets(num, layout, spec, ops):
+    buf = ops.alloc_packets(num, layout, spec, dev())
+    buf.fill_(0xFF)
+    return buf
+
+
+_INT_OF_SIZE = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str, fold_zero_sign: bool = False):
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.contiguous(), expected.contiguous()
+    if a.is_floating_point():
+        an, en = torch.isnan(a), torch.isnan(e)
+        bad_nan = an != en
+        assert not bool(bad_nan.any()), (f"{what}: NaN positions differ at {int(bad_nan.sum())} elements, first "
+                                         f"{bad_nan.nonzero()[0].tolist()}")
+        if fold_zero_sign:
+            a = torch.where(a == 0, torch.zeros_like(a), a)
+            e = torch.where(e == 0, torch.zeros_like(e), e)
+        a = torch.where(an, torch.zeros_like(a), a)
+        e = torch.where(en, torch.zeros_like(e), e)
+    diff = _bits(a) != _bits(e)
+    if bool(diff.any()):
+        idx = diff.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} elements differ; first at {idx}: "
+                             f"kernel {a[tuple(idx)].item()!r} vs reference {e[tuple(idx)].item()!r}")
+
+
+def assert_packet(ops, row, layout, spec, codes, scale, zero, what):
+    kc, ks, kz = ops.packet_views(row, layout, spec)
+    assert_same(kc, codes.reshape(kc.shape), f"{what} codes")
+    assert_same(ks, scale.reshape(-1), f"{what} scales")
+    assert_same(kz, zero.reshape(-1), f"{what} zeros", fold_zero_sign=True)
+
+
+def make_comp(residual="output", gain=0.75, blend=0.35, slow=0.7, fast=0.3):
+    from echo_ds.compensator import Compensator
+    from echo_ds.config import DirectionConfig
+
+    return Compensator(DirectionConfig(gain=gain, blend=blend, slow_decay=slow, fast_decay=fast, residual=residual))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stage references (the reference's per-rank operations, reference.py's echo_all_reduce)
+# ----------------------------------------------------------------------------------------------------
+
+def ref_rotated(x, layout, spec):
+    return C.rotate_if(C.to_segments(x.reshape(1, -1), layout), spec)[0]  # [P, G, g]
+
+
+def ref_pow2(amax):
+    return C.pow2_exponent(amax) if amax is not None else 0
+
+
+def entry_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, gen):
+    g = spec.group_size
+    layout = C.Layout(numel, P, g)
+    x = random_input(numel, g, dtype, gen)
+    padded, S = layout.padded_numel, layout.segment_numel
+    comp = make_comp()
+    m1 = m2 = corr = None
+    r = ref_rotated(x, layout, spec)
+    if comp_mode != "none":
+        m1 = random_groups(padded // g, g, gen).reshape(-1) * 1e-2
+        m2 = random_groups(padded // g, g, gen).reshape(-1) * 1e-2
+        comp.m1, comp.m2 = m1.view(r.shape).clone(), m2.view(r.shape).clone()
+        c = comp.correction(r.shape, r.device)
+        r = r + c
+        if comp_mode == "correction":
+            corr = c.reshape(-1).clone()
+            m1 = m2 = None
+    amax = None
+    if pow2:  # another rank holds a larger maximum
+        amax = (r.abs().amax() * 1.37).reshape(1)
+    k = ref_pow2(amax)
+    rs = r * 2.0**k if k else r
+    others = [j for j in range(P) if j != rank]
+    codes, scale, zero = C.quantize_segments(rs[others], spec)
+
+    packets = poison_packets(P, layout, spec, ops)
+    rows = [None if j == rank else packets[j] for j in range(P)]
+    own_out = poison_f32(S)
+    residual = poison_f32(padded) if local else None
+    ops.push_quantize(x, rank=rank, world_size=P, spec=spec, out=ops.packet_table(rows, layout, spec),
+                      own_out=own_out, m1=m1, m2=m2, correction=corr, coeffs=comp if comp_mode != "none" else None,
+                      residual_out=residual, pow2_amax=amax)
+    torch.cuda.synchronize()
+    for n, j in enumerate(others):
+        assert_packet(ops, packets[j], layout, spec, codes[n], scale[n], zero[n], f"segment {j}")
+    assert_same(own_out, rs[rank].reshape(-1), "own segment rs")
+    if local:
+        err = C.dequantize_segments(codes, scale, zero, spec) - rs[others]
+        u = -(err * 2.0**-k) if k else -err
+        for n, j in enumerate(others):
+            assert_same(residual[j * S:(j + 1) * S], u[n].reshape(-1), f"local residual of segment {j}")
+        assert bool(torch.isnan(residual[rank * S:(rank + 1) * S]).all()), "the own segment's residual is the reduce's"
+
+
+ENTRY_CASES = list(itertools.product(DTYPES, BITS, POLICIES, (False, True), GROUP_SIZES))
+
+
+@pytest.mark.parametrize("dtype,bits,policy,rotation,g", ENTRY_CASES,
+                         ids=[f"{str(d)[6:]}-b{b}-{p}-rot{int(r)}-g{g}" for d, b, p, r, g in ENTRY_CASES])
+def test_push_quantize(ops, dtype, bits, policy, rotation, g):
+    i = ENTRY_CASES.index((dtype, bits, policy, rotation, g))
+    gen = torch.Generator(device=dev()).manual_seed(1000 + i)
+    P = WORLD_SIZES[i % 4]
+    spec = QuantSpec(bits=bits, group_size=g, policy=policy, rotation=rotation)
+    numel = P * g * (3 + i % 5) - (i * 37) % (P * g) + 1  # rarely a whole number of chunks
+    entry_case(ops, P=P, rank=(i * 3) % P, dtype=dtype, spec=spec, numel=numel,
+               comp_mode=("none", "state", "correction")[i % 3], local=(i % 2 == 0), pow2=(i % 4 in (1, 2)),
+               gen=gen)
+
+
+@pytest.mark.parametrize("numel", [1, 7, 1000, 100_003, 4_000_037])
+def test_push_quantize_sizes(ops, numel):
+    gen = torch.Generator(device=dev()).manual_seed(numel)
+    for n, (P, dtype, rot) in enumerate([(4, torch.bfloat16, True), (8, torch.float16, False), (2, torch.float32, True)]):
+        spec = QuantSpec(bits=4 if n != 1 else 8, group_size=128, policy="zero_aware", rotation=rot)
+        entry_case(ops, P=P, rank=n % P, dtype=dtype, spec=spec, numel=numel, comp_mode=("state", "none", "correction")[n],
+                   local=n == 0, pow2=n == 2, gen=gen)
+
+
+def test_push_quantize_unaligned_view(ops):
+    """x as a view at an odd offset takes the scalar load path and gives the same bits."""
+    gen = torch.Generator(device=dev()).manual_seed(5)
+    spec = QuantSpec(bits=4, group_size=128)
+    base = random_input(10_001, 128, torch.float16, gen)
+    x = base[3:]
+    layout = C.Layout(x.numel(), 4, 128)
+    rs = ref_rotated(x, layout, spec)
+    codes, scale, zero = C.quantize_segments(rs[1:], spec)
+    packets = poison_packets(4, layout, spec, ops)
+    own = poison_f32(layout.segment_numel)
+    ops.push_quantize(x, rank=0, world_size=4, spec=spec, out=ops.packet_table([None, *packets[1:]], layout, spec),
+                      own_out=own)
+    for n in range(3):
+        assert_packet(ops, packets[n + 1], layout, spec, codes[n], scale[n], zero[n], f"segment {n + 1}")
+    assert_same(own, rs[0].reshape(-1), "own")
+
+
+def test_push_quantize_tiles(ops):
+    """Tiles of groups written one after the other give the whole-segment result."""
+    gen = torch.Generator(device=dev()).manual_seed(6)
+    spec = QuantSpec(bits=4, group_size=64, rotation=True)
+    x = random_input(50_000, 64, torch.bfloat16, gen)
+    P, rank = 4, 2
+    layout = C.Layout(x.numel(), P, 64)
+    G = layout.groups_per_segment
+    whole, tiled = poison_packets(P, layout, spec, ops), poison_packets(P, layout, spec, ops)
+    own_w, own_t = poison_f32(layout.segment_numel), poison_f32(layout.segment_numel)
+    ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
+                      out=ops.packet_table([None if j == rank else whole[j] for j in range(P)], layout, spec), own_out=own_w)
+    for b in range(0, G, 37):
+        ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
+                          out=ops.packet_table([None if j == rank else tiled[j] for j in range(P)], layout, spec),
+                          own_out=own_t, group_begin=b, num_groups=min(37, G - b))
+    pb = ops.packet_bytes(layout, spec)
+    assert_same(tiled[:, :pb], whole[:, :pb], "tiled packets")
+    assert_same(own_t, own_w, "tiled own segment")
+
+
+# ----------------------------------------------------------------------------------------------------
+# pow2 amax
+# ----------------------------------------------------------------------------------------------------
+
+AMAX_CASES = list(itertools.product(DTYPES, (False, True), ("none", "state", "correction")))
+
+
+@pytest.mark.parametrize("dtype,rotation,comp_mode", AMAX_CASES)
+def test_pow2_amax(ops, dtype, rotation, comp_mode):
+    gen = torch.Generator(device=dev()).manual_seed(5000 + AMAX_CASES.index((dtype, rotation, comp_mode)))
+    g = 128
+    spec = QuantSpec(bits=4, group_size=g, rotation=rotation)
+    x = random_input(300_001, g, dtype, gen)
+    layout = C.Layout(x.numel(), 4, g)
+    r = ref_rotated(x, layout, spec)
+    comp = make_comp()
+    kw = {}
+    if comp_mode != "none":
+        m1 = random_groups(layout.padded_numel // g, g, gen).reshape(-1)
+        m2 = random_groups(layout.padded_numel // g, g, gen).reshape(-1)
+        comp.m1, comp.m2 = m1.view(r.shape).clone(), m2.view(r.shape).clone()
+        c = comp.correction(r.shape, r.device)
+        r = r + c
+        kw = dict(m1=m1, m2=m2, coeffs=comp) if comp_mode == "state" else dict(correction=c.reshape(-1).clone())
+    out = poison_f32(1)
+    ops.pow2_amax(x, out, world_size=4, spec=spec, **kw)
+    assert_same(out, r.abs().amax().reshape(1), "amax")
+    x[12345] = float("nan")
+    ops.pow2_amax(x, out, world_size=4, spec=spec, **kw)
+    assert bool(torch.isnan(out).all()), "NaN must propagate into amax"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Owner reduce
+# ----------------------------------------------------------------------------------------------------
+
+REDUCE_CASES = list(itertools.product(WORLD_SIZES, BITS, POLICIES, GROUP_SIZES))
+
+
+@pytest.mark.parametrize("P,bits,policy,g", REDUCE_CASES, ids=[f"P{P}-b{b}-{p}-g{g}" for P, b, p, g in REDUCE_CASES])
+def test_owner_reduce(ops, P, bits, policy, g):
+    i = REDUCE_CASES.index((P, bits, policy, g))
+    gen = torch.Generator(device=dev()).manual_seed(2000 + i)
+    spec = QuantSpec(bits=bits, group_size=g, policy=policy)
+    numel = P * g * (2 + i % 7) - (i * 53) % (P * g)
+    layout = C.Layout(numel, P, g)
+    G, S = layout.groups_per_segment, layout.segment_numel
+    rank = i % P
+    local = i % 2 == 1
+    amax = torch.tensor([float(2.0 ** (i % 9))], device=dev()) if i % 3 == 0 else None
+    k = ref_pow2(amax)
+    own = random_groups(G, g, gen)
+    if i % 5 == 0:  # a non-finite copy group must give a NaN group
+        own[G // 2, 3] = float("inf")
+    sent = [C.quantize_segments(random_groups(G, g, gen), spec) for _ in range(P)]
+    terms = torch.stack([own if r == rank else C.dequantize_segments(*sent[r], spec) for r in range(P)])
+    acc = C.ordered_sum(terms)
+    codes, scale, zero = C.quantize_segments(acc[None], spec)
+
+    inbuf = poison_packets(P, layout, spec, ops)
+    for r in range(P):
+        kc, ks, kz = ops.packet_views(inbuf[r], layout, spec)
+        kc.copy_(sent[r][0].reshape(kc.shape)), ks.copy_(sent[r][1]), kz.copy_(sent[r][2])
+    outbuf = poison_packets(P, layout, spec, ops)
+    dests = [outbuf[d] if d % 2 == 0 or d == rank else None for d in range(P)]
+    residual = poison_f32(S) if local else None
+    ops.owner_reduce(own.reshape(-1), numel=numel, rank=rank, world_size=P, spec=spec,
+                     copies=ops.packet_table([None if r == rank else inbuf[r] for r in range(P)], layout, spec),
+                     out=ops.packet_table(dests, layout, spec), residual_out=residual, pow2_amax=amax)
+    torch.cuda.synchronize()
+    for d, row in enumerate(dests):
+        if row is not None:
+            assert_packet(ops, row, layout, spec, codes[0], scale[0], zero[0], f"reduced segment to {d}")
+        else:
+            assert bool((outbuf[d] == 0xFF).all()), f"destination {d} was not asked for but written"
+    if local:
+        err = C.dequantize_segments(codes, scale, zero, spec)[0] - acc
+        u = -(err * 2.0**-k) if k else -err
+        assert_same(residual, u.reshape(-1), "own residual")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dequantize
+# ----------------------------------------------------------------------------------------------------
+
+DEQ_CASES = list(itertools.product(DTYPES, BITS, (False, True), GROUP_SIZES))
+
+
+@pytest.mark.parametrize("dtype,bits,rotation,g", DEQ_CASES,
+                         ids=[f"{str(d)[6:]}-b{b}-rot{int(r)}-g{g}" for d, b, r, g in DEQ_CASES])
+def test_dequantize(ops, dtype, bits, rotation, g):
+    i = DEQ_CASES.index((dtype, bits, rotation, g))
+    gen = torch.Generator(device=dev()).manual_seed(3000 + i)
+    P = WORLD_SIZES[i % 4]
+    spec = QuantSpec(bits=bits, group_size=g, policy=POLICIES[i % 3], rotation=rotation)
+    numel = P * g * (1 + i % 6) - (i * 29) % (P * g) + 3
+    layout = C.Layout(numel, P, g)
+    G = layout.groups_per_segment
+    vals = random_groups(P * G, g, gen).view(P, G, g)
+    vals[0, 0, 1] = float("nan")
+    codes, scale, zero = C.quantize_segments(vals, spec)
+    amax = torch.tensor([float(3.0 ** (i % 7))], device=dev()) if i % 2 else None
+    k = ref_pow2(amax)
+    s_hat = C.dequantize_segments(codes, scale, zero, spec)
+    s_hat = s_hat * 2.0**-k if k else s_hat
+    shape = (numel,) if i % 2 else (1, numel)
+    y_ref = C.from_segments(C.unrotate_if(s_hat, spec), layout, shape, dtype)
+
+    buf = poison_packets(P, layout, spec, ops)
+    for j in range(P):
+        kc, ks, kz = ops.packet_views(buf[j], layout, spec)
+        kc.copy_(codes[j].reshape(kc.shape)), ks.copy_(scale[j]), kz.copy_(zero[j])
+    y = torch.full(shape, float("nan"), dtype=dtype, device=dev())
+    ops.dequantize(y, world_size=P, spec=spec, gathered=ops.packet_table(list(buf), layout, spec), pow2_amax=amax)
+    torch.cuda.synchronize()
+    assert_same(y, y_ref, "y")
+    assert bool(torch.isnan(y.reshape(-1)[:g].float()).all()), "a NaN group decodes to NaN in full"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compensator update
+# ----------------------------------------------------------------------------------------------------
+
+UPD_CASES = list(itertools.product(DTYPES, BITS, (False, True), GROUP_SIZES))
+
+
+@pytest.mark.parametrize("dtype,bits,rotation,g", UPD_CASES,
+                         ids=[f"{str(d)[6:]}-b{b}-rot{int(r)}-g{g}" for d, b, r, g in UPD_CASES])
+def test_compensator_update_output(ops, dtype, bits, rotation, g):
+    i = UPD_CASES.index((dtype, bits, rotation, g))
+    gen = torch.Generator(device=dev()).manual_seed(4000 + i)
+    P = WORLD_SIZES[i % 4]
+    spec = QuantSpec(bits=bits, group_size=g, rotation=rotation)
+    numel = P * g * (2 + i % 5) - (i * 31) % (P * g)
+    layout = C.Layout(numel, P, g)
+    G, padded = layout.groups_per_segment, layout.padded_numel
+    x = random_input(numel, g, dtype, gen)
+    comp = make_comp(gain=0.8, blend=0.3, slow=0.9, fast=0.2)
+    r = ref_rotated(x, layout, spec)
+    m1 = random_groups(padded // g, g, gen).reshape(-1) * 1e-2
+    m2 = random_groups(padded // g, g, gen).reshape(-1) * 1e-2
+    comp.m1, comp.m2 = m1.view(r.shape).clone(), m2.view(r.shape).clone()
+    r = r + comp.correction(r.shape, r.device)
+    codes, scale, zero = C.quantize_segments(random_groups(P * G, g, gen).view(P, G, g), spec)
+    amax = torch.tensor([123.0], device=dev()) if i % 2 else None
+    k = ref_pow2(amax)
+    s_hat = C.dequantize_segments(codes, scale, zero, spec)
+    s_hat = s_hat * 2.0**-k if k else s_hat
+    comp.update(r - s_hat / P)
+    c_next = comp.correction(r.shape, r.device)
+
+    buf = poison_packets(P, layout, spec, ops)
+    for j in range(P):
+        kc, ks, kz = ops.packet_views(buf[j], layout, spec)
+        kc.copy_(codes[j].reshape(kc.shape)), ks.copy_(scale[j]), kz.copy_(zero[j])
+    km1, km2 = m1.clone(), m2.clone()
+    c_out = poison_f32(padded) if i % 3 else None
+    ops.compensator_update_output(x, km1, km2, world_size=P, spec=spec, gathered=ops.packet_table(list(buf), layout, spec),
+                                  coeffs=comp, pow2_amax=amax, correction_out=c_out)
+    torch.cuda.synchronize()
+    assert_same(km1, comp.m1.reshape(-1), "m1")
+    assert_same(km2, comp.m2.reshape(-1), "m2")
+    if c_out is not None:
+        assert_same(c_out, c_next.reshape(-1), "correction of the new state")
+
+
+def test_compensator_update_local(ops):
+    gen = torch.Generator(device=dev()).manual_seed(7)
+    comp = make_comp(residual="local")
+    n = 4 * 128 * 1001
+    m1, m2, u = (random_groups(n // 128, 128, gen).reshape(-1) for _ in range(3))
+    comp.m1, comp.m2 = m1.clone(), m2.clone()
+    comp.update(u)
+    c_next = comp.correction(m1.shape, m1.device)
+    c_out = poison_f32(n)
+    ops.compensator_update_local(u, m1, m2, coeffs=comp, correction_out=c_out)
+    torch.cuda.synchronize()
+    assert_same(m1, comp.m1, "m1")
+    assert_same(m2, comp.m2, "m2")
+    assert_same(c_out, c_next, "correction")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The chained stages of P ranks against the emulator (several calls, so the state evolves)
+# ----------------------------------------------------------------------------------------------------
+
+def kernel_all_reduce(ops, parts, spec, state, coeffs, residual, pow2, use_correction):
+    """One Echo all-reduce of P emulated ranks through the kernels; state: per-rank [m1, m2, c]."""
+    P = parts.shape[0]
+    x_shape = parts.shape[1:]
+    layout = C.Layout(parts[0].numel(), P, spec.group_size)
+    S, padded = layout.segment_numel, layout.padded_numel
+    comp_kw = []
+    for i in range(P):
+        if state is None:
+            comp_kw.append({})
+        elif use_correction:
+            comp_kw.append(dict(correction=state[i][2]))
+        else:
+            comp_kw.append(dict(m1=state[i][0], m2=state[i][1], coeffs=coeffs))
+    amax = None
+    if pow2:
+        amaxes = torch.stack([poison_f32(1) for _ in range(P)])
+        for i in range(P):
+            ops.pow2_amax(parts[i], amaxes[i], world_size=P, spec=spec, **comp_kw[i])
+        amax = amaxes.amax().reshape(1)  # the max all-reduce
+    send = [poison_packets(P, layout, spec, ops) for _ in range(P)]  # send[i][j]: rank i's copy of segment j
+    own = [poison_f32(S) for _ in range(P)]
+    local = state is not None and residual == "local"
+    resid = [poison_f32(padded) for _ in range(P)] if local else [None] * P
+    for i in range(P):
+        ops.push_quantize(parts[i], rank=i, world_size=P, spec=spec,
+                          out=ops.packet_table([None if j == i else send[i][j] for j in range(P)], layout, spec),
+                          own_out=own[i], residual_out=resid[i], pow2_amax=amax, **comp_kw[i])
+    gathered = poison_packets(P, layout, spec, ops)
+    for j in range(P):
+        ops.owner_reduce(own[j], numel=layout.numel, rank=j, world_size=P, spec=spec,
+                         copies=ops.packet_table([None if r == j else send[r][j] for r in range(P)], layout, spec),
+                         out=ops.packet_table([gathered[j] if d == j else None for d in range(P)], layout, spec),
+                         residual_out=resid[j][j * S:(j + 1) * S] if local else None, pow2_amax=amax)
+    table = ops.packet_table(list(gathered), layout, spec)
+    ys = []
+    for i in range(P):
+        y = torch.full(x_shape, float("nan"), dtype=parts.dtype, device=dev())
+        ops.dequantize(y, world_size=P, spec=spec, gathered=table, pow2_amax=amax)
+        ys.append(y)
+    if state is not None:
+        for i in range(P):
+            m1, m2, c = state[i]
+            c_out = c if use_correction else None
+            if residual == "output":
+                ops.compensator_update_output(parts[i], m1, m2, world_size=P, spec=spec, gathered=table, coeffs=coeffs,
+                                              pow2_amax=amax, correction_out=c_out)
+            else:
+                ops.compensator_update_local(resid[i], m1, m2, coeffs=coeffs, correction_out=c_out)
+    torch.cuda.synchronize()
+    return ys
+
+
+E2E_CASES = [
+    # P, dtype, bits, policy, rotation, g, residual, pow2, use_correction, numel
+    (2, torch.bfloat16, 4, "zero_aware", False, 128, "output", False, False, 10_000),
+    (4, torch.float16, 4, "zero_aware", True, 128, "output", True, True, 77_777),
+    (4, torch.bfloat16, 4, "zero_aware", True, 128, "local", True, False, 131_072),
+    (8, torch.float32, 8, "symmetric", False, 64, "local", False, True, 5_003),
+    (3, torch.float16, 4, "naive", True, 256, "output", False, False, 40_001),
+    (8, torch.bfloat16, 8, "zero_aware", True, 256, "local", True, True, 999_999),
+    (2, torch.float32, 4, "symmetric", True, 64, "output", True, False, 1),
+    (4, torch.bfloat16, 4, "zero_aware", False, 128, None, True, False, 3_000_017),
+]
+
+
+@pytest.mark.parametrize("case", E2E_CASES, ids=[f"P{c[0]}-{str(c[1])[6:]}-b{c[2]}-{c[3]}-rot{int(c[4])}-g{c[5]}-{c[6]}"
+                                                 f"-pow2{int(c[7])}-corr{int(c[8])}-n{c[9]}" for c in E2E_CASES])
+def test_all_reduce_matches_emulator(ops, case):
+    from echo_ds.emulate import emulated_echo_all_reduce
+
+    P, dtype, bits, policy, rotation, g, residual, pow2, use_corr, numel = case
+    gen = torch.Generator(device=dev()).manual_seed(numel)
+    spec = QuantSpec(bits=bits, group_size=g, policy=policy, rotation=rotation)
+    comp = make_comp(residual=residual) if residual else None
+    layout = C.Layout(numel, P, g)
+    state = None
+    if comp is not None:
+        state = [[torch.zeros(layout.padded_numel, device=dev()) for _ in range(3)] for _ in range(P)]
+    for call in range(3):
+        parts = torch.stack([random_input(numel, g, dtype, gen) for _ in range(P)])
+        if call == 2 and numel > 1000:
+            parts[1, 517] = float("nan")  # NaN propagates over its group, on every rank
+            parts[0, 901] = float("inf")
+        y_ref = emulated_echo_all_reduce(parts, spec, comp, pow2)
+        ys = kernel_all_reduce(ops, parts, spec, state, comp, residual, pow2, use_corr)
+        for i in range(P):
+            assert_same(ys[i], y_ref, f"call {call}: y on rank {i}")
+        if comp is not None:
+            for i in range(P):
+                assert_same(state[i][0], comp.m1[i].reshape(-1), f"call {call}: m1 of rank {i}")
+                assert_same(state[i][1], comp.m2[i].reshape(-1), f"call {call}: m2 of rank {i}")
+        if call == 2 and numel > 1000:
+            y0 = ys[0].reshape(-1).float()
+            for pos in (517, 901):
+                grp = pos // g * g
+                assert bool(torch.isnan(y0[grp:grp + g]).all()), "a non-finite input must give NaN over its group"
+
+
+# ----------------------------------------------------------------------------------------------------
+# One large case: a 1 GB fp16 message through entry, owner reduce and dequantize (P = 4, one rank's view)
+# ----------------------------------------------------------------------------------------------------
+
+def test_one_gigabyte(ops):
+    gen = torch.Generator(device=dev()).manual_seed(1 << 30)
+    P, g = 4, 128
+    spec = QuantSpec(bits=4, group_size=g, policy="zero_aware")
+    numel = (1 << 29) - 5  # 1 GB of fp16, a length that needs padding
+    x = (torch.randn(numel, generator=gen, device=dev()) * 3.0).to(torch.float16)
+    layout = C.Layout(numel, P, g)
+    S = layout.segment_numel
+    rank = 1
+    packets = poison_packets(P, layout, spec, ops)
+    own = poison_f32(S)
+    ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
+                      out=ops.packet_table([None if j == rank else packets[j] for j in range(P)], layout, spec), own_out=own)
+    torch.cuda.synchronize()
+    segs = C.to_segments(x.reshape(1, -1), layout)[0]
+    for j in range(P):
+        if j == rank:
+            assert_same(own, segs[j].reshape(-1), "own segment")
+            continue
+        codes, scale, zero = C.quantize_segments(segs[j], spec)
+        assert_packet(ops, packets[j], layout, spec, codes, scale, zero, f"segment {j}")
+        del codes, scale, zero
+    # Owner reduce of segment `rank` with the other ranks' copies taken as this rank's own codes of other
+    # segments (any valid codes will do), then dequantize everything.
+    copies = [packets[j] if j != rank else None for j in range(P)]
+    gathered = poison_packets(P, layout, spec, ops)
+    ops.owner_reduce(own, numel=numel, rank=rank, world_size=P, spec=spec, copies=ops.packet_table(copies, layout, spec),
+                     out=ops.packet_table([gathered[rank] if d == rank else None for d in range(P)], layout, spec))
+    terms = torch.stack([segs[rank] if r == rank else C.dequantize_segments(*ops.packet_views(packets[r], layout, spec), spec)
+                         for r in range(P)])
+    acc = C.ordered_sum(terms)
+    del terms
+    codes, scale, zero = C.quantize_segments(acc, spec)
+    torch.cuda.synchronize()
+    assert_packet(ops, gathered[rank], layout, spec, codes, scale, zero, "reduced segment")
+    del acc, codes, scale, zero
+    for j in range(P):
+        if j != rank:
+            gathered[j].copy_(packets[j])
+    y = torch.full((numel,), float("nan"), dtype=torch.float16, device=dev())
+    ops.dequantize(y, world_size=P, spec=spec, gathered=ops.packet_table(list(gathered), layout, spec))
+    s_hat = torch.stack([C.dequantize_segments(*ops.packet_views(gathered[j], layout, spec), spec) for j in range(P)])
+    torch.cuda.synchronize()
+    assert_same(y, C.from_segments(s_hat, layout, (numel,), torch.float16), "y")
+
+
+def test_unsupported_world_size_raises(ops):
+    spec = QuantSpec(bits=4, group_size=128)
+    x = torch.randn(1000, device=dev())
+    layout = C.Layout(x.numel(), 5, 128)
+    packets = ops.alloc_packets(5, layout, spec, dev())
+    with pytest.raises(RuntimeError, match="unsupported world size 5"):
+        ops.push_quantize(x, rank=0, world_size=5, spec=spec, out=ops.packet_table([None, *packets[1:]], layout, spec),
+                          own_out=torch.empty(layout.segment_numel, device=dev()))
+
+
+def test_cuda_path_available(ops):
+    assert ops.available()
+    assert math.isfinite(ops.load_seconds())
