@@ -35,11 +35,7 @@ from typing import List, Optional
 import torch
 
 from echo_ds.config import DirectionConfig
-
-
-def f32(v: float) -> float:
-    """``v`` rounded to fp32 (so that a Python scalar enters the fp32 arithmetic exactly)."""
-    return float(torch.tensor(v, dtype=torch.float32))
+from echo_ds.quant import f32
 
 
 class Compensator:

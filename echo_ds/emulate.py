@@ -14,7 +14,7 @@ import torch
 from echo_ds import collective as C
 from echo_ds.compensator import Compensator, make_compensator
 from echo_ds.config import EchoConfig
-from echo_ds.quant import QuantSpec
+from echo_ds.quant import QuantSpec, reciprocal
 
 
 def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator] = None,
@@ -49,7 +49,7 @@ def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: 
 
     if compensator is not None:
         if compensator.residual == "output":
-            u = r - s_hat[None] / P
+            u = r - s_hat[None] * reciprocal(P)
         else:
             err = copies - rs
             err[diag, diag] = s_hat_scaled - acc

@@ -67,6 +67,17 @@ kFp16MinSubnormal = 2.0**-24
 kMaxZeroPoint = 1024.0
 
 
+def f32(v: float) -> float:
+    """``v`` rounded to fp32, so that a Python scalar enters the fp32 arithmetic exactly."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def reciprocal(c: float) -> float:
+    """fp32 1/c. Divisions by a constant are written as products by it: PyTorch on a GPU computes
+    ``tensor / scalar`` that way, on the CPU it divides, and the two differ in the last bit."""
+    return f32(1.0 / c)
+
+
 def check_quant_args(bits: int, group_size: int, policy: str) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported: use one of {SUPPORTED_BITS}")
@@ -167,11 +178,11 @@ def compute_params(groups: torch.Tensor, bits: int, policy: str):
 
     if policy == "symmetric":
         qmax = float(2 ** (bits - 1) - 1)
-        scale = _group_scale(amax / qmax)
+        scale = _group_scale(amax * reciprocal(qmax))
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
     else:
         # Naive scale, floored so that |zero| <= kMaxZeroPoint codes.
-        s0 = torch.maximum((mx - mn) / L, amax / kMaxZeroPoint)
+        s0 = torch.maximum((mx - mn) * reciprocal(L), amax * reciprocal(kMaxZeroPoint))
         if policy == "naive":
             scale = _group_scale(s0)
             zero = (-mn / scale.float()).to(torch.float16)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from echo_ds import collective as C
 from echo_ds.compensator import Compensator
-from echo_ds.quant import QuantSpec
+from echo_ds.quant import QuantSpec, reciprocal
 
 # all_gather_single replaces all_gather_into_tensor in newer torch; both take (output, input, group).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -99,7 +99,7 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
 
     if compensator is not None:
         if compensator.residual == "output":
-            u = r - s_hat / world_size
+            u = r - s_hat * reciprocal(world_size)
         else:
             err = torch.empty_like(rs)
             err[others] = C.dequantize_segments(*sent, spec) - rs[others]
