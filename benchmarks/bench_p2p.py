@@ -1,0 +1,281 @@
+"""Benchmark of the p2p transport: flag latency (in-kernel waits against cuStreamWaitValue32), the Echo
+all-reduce over a size sweep (nccl-tests' columns), and the tile size.
+
+    python benchmarks/bench_p2p.py                       # P = 2 and 4 ranks on the visible GPU(s)
+    python benchmarks/bench_p2p.py --world-sizes 2 --min-bytes 65536 --max-bytes 268435456 --factor 4
+    python benchmarks/bench_p2p.py --json out.json
+
+Ranks bootstrap over gloo and may share one GPU (then start MPS first, as benchmarks/p2p_gpu.sh does):
+on one GPU a peer write is a local HBM write, so these numbers measure the protocol's overheads and the
+stages' kernels, not NVLink; the multi-GPU numbers are issue 8's. Times are medians over ``--iters``
+calls after ``--warmup`` (per-call CUDA events on the caller's stream), with the spread (min..max).
+busbw = algbw * 2 (P - 1) / P, algbw = message bytes / time, as nccl-tests defines them for all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.utils import run_distributed  # noqa: E402
+
+MIB = 1 << 20
+
+
+def _median_spread(xs):
+    return statistics.median(xs), min(xs), max(xs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Flag latency: kernel signal + kernel wait against cuStreamWriteValue32 + cuStreamWaitValue32
+# ----------------------------------------------------------------------------------------------------
+
+def _pingpong(buf, rank, n, mode, graph):
+    """Round trips between ranks 0 and 1 through one flag each way; returns microseconds per round trip
+    on rank 0 (None elsewhere), or a string when the mode cannot run."""
+    from echo_ds.p2p import driver as D
+    from echo_ds.p2p import layout as L
+
+    t = buf.transport
+    peer = 1 - rank
+    # Reserved words of EchoP2PSignals (after `progress`), written only by this benchmark.
+    off = L.Signals.reserved.offset + 4 * (4 if mode == "memop" else 0) + 4 * (2 if graph else 0)
+    mine, theirs = t.local_ptr["signals"] + off, t.peer_ptr[peer]["signals"] + off
+    base = 0x20000000 + (0x01000000 if mode == "memop" else 0) + (0x00800000 if graph else 0)
+    stream = torch.cuda.Stream()
+    sig = [t.prepare_signal([(peer, off)], 0, base + i) for i in range(n + 1)]
+    waits = [t.prepare_wait([(peer, off)], 0, 3, 0, value=base + i) for i in range(n + 1)]
+
+    def one(i, s):
+        if mode == "kernel":
+            if rank == 0:
+                t.signal(sig[i], s)
+                t.wait(waits[i], s)
+            else:
+                t.wait(waits[i], s)
+                t.signal(sig[i], s)
+        else:
+            if rank == 0:
+                D.stream_write_value32(s.cuda_stream, theirs, base + i)
+                D.stream_wait_value32(s.cuda_stream, mine, base + i, geq=True)
+            else:
+                D.stream_wait_value32(s.cuda_stream, mine, base + i, geq=True)
+                D.stream_write_value32(s.cuda_stream, theirs, base + i)
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g = None
+    if graph:
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                for i in range(1, n + 1):
+                    one(i, torch.cuda.current_stream())
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            msg = f"not capturable: {type(e).__name__}: {str(e)[:80]}"
+        else:
+            ok, msg = True, ""
+        oks = [None] * dist.get_world_size()
+        dist.all_gather_object(oks, (ok, msg))
+        if not all(o for o, _ in oks):
+            return next(m for o, m in oks if not o)
+    dist.barrier()
+    with torch.cuda.stream(stream):
+        one(0, stream)  # handshake: both ranks are here, so the timing starts together
+        start.record(stream)
+        if graph:
+            g.replay()
+        else:
+            for i in range(1, n + 1):
+                one(i, stream)
+        end.record(stream)
+    # A stream memop wait has no timeout: if the peer never writes, release this rank's own waits from
+    # the host side (GEQ waits, one large value) rather than hang the benchmark.
+    deadline = time.monotonic() + 30.0
+    while not end.query():
+        if time.monotonic() > deadline:
+            release = torch.cuda.Stream()
+            D.memset_u32_async(mine, base + n + 1000, 1, release.cuda_stream)
+            end.synchronize()
+            return f"{mode}: no answer from rank {peer} within 30 s (released)"
+        time.sleep(1e-3)
+    buf.check()
+    return start.elapsed_time(end) * 1e3 / n if rank == 0 else None
+
+
+def flag_latency_body(rank, world_size, n):
+    from echo_ds.p2p import EchoBuffer
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    buf = EchoBuffer(max_numel=1 << 16, stages="torch")
+    assert buf.active, buf.reason
+    out = {}
+    for graph in (False, True):
+        for mode in ("kernel", "memop"):
+            out[f"{mode}{'-graph' if graph else ''}"] = _pingpong(buf, rank, n, mode, graph)
+    buf.close()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The all-reduce
+# ----------------------------------------------------------------------------------------------------
+
+def _time_calls(buf, x, spec, comp, warmup, iters):
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for _ in range(warmup):
+        buf.all_reduce(x, spec, compensator=comp)
+    buf.synchronize()
+    dist.barrier()
+    host = []
+    for i in range(iters):
+        starts[i].record()
+        h = time.perf_counter()
+        buf.all_reduce(x, spec, compensator=comp)
+        host.append(time.perf_counter() - h)
+        ends[i].record()
+    buf.synchronize()
+    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)], host
+
+
+def sweep_body(rank, world_size, args):
+    from echo_ds.compensator import make_compensator
+    from echo_ds.config import DirectionConfig
+    from echo_ds.emulate import emulated_echo_all_reduce
+    from echo_ds.p2p import EchoBuffer
+    from echo_ds.quant import QuantSpec
+    from tests.p2p_suite import all_same, digest, same_bits
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    P = world_size
+    max_numel = args["max_bytes"] // 2
+    buf = EchoBuffer(max_numel=max_numel, tile_bytes=args["tile_bytes"], stages=args["stages"])
+    assert buf.active, buf.reason
+    spec = QuantSpec(4, 128)
+    rows = []
+    size = args["min_bytes"]
+    while size <= args["max_bytes"]:
+        n = size // 2
+        gen = torch.Generator(device=dev).manual_seed(size)
+        parts = torch.randn(P, n, generator=gen, device=dev).to(torch.bfloat16)
+        x = parts[rank].contiguous()
+        y = buf.all_reduce(x, spec)
+        ok = True
+        if rank == 0:
+            ok = same_bits(y, emulated_echo_all_reduce(parts, spec))
+        ok = all_same(digest(y)) and ok
+        oks = [None] * P
+        dist.all_gather_object(oks, ok)
+        del parts
+        row = {"P": P, "bytes": size, "stages": "kernels" if buf._ops is not None else "torch", "ok": all(oks)}
+        for label, comp in (("plain", None), ("compensated", make_compensator(DirectionConfig()))):
+            secs, host = _time_calls(buf, x, spec, comp, args["warmup"], args["iters"])
+            med, lo, hi = _median_spread(secs)
+            row[label] = {"median_s": med, "min_s": lo, "max_s": hi, "host_median_s": statistics.median(host)}
+        rows.append(row)
+        size *= args["factor"]
+    # Tile sweep at one size.
+    tiles = []
+    if args["tile_sweep_bytes"]:
+        n = args["tile_sweep_bytes"] // 2
+        x = torch.randn(n, device=dev).to(torch.bfloat16)
+        for tb in args["tile_sweep"]:
+            buf.synchronize()
+            buf._schedules.clear()
+            buf.tile_bytes = tb
+            secs, host = _time_calls(buf, x, spec, None, args["warmup"], args["iters"])
+            med, lo, hi = _median_spread(secs)
+            sched = next(iter(buf._schedules.values()))
+            tiles.append({"tile_bytes": tb, "num_tiles": sched.tiling.num_tiles, "median_s": med, "min_s": lo,
+                          "max_s": hi, "host_median_s": statistics.median(host)})
+    buf.close()
+    return {"rows": rows, "tiles": tiles}
+
+
+def _fmt_bytes(b):
+    return f"{b / MIB:g} MiB" if b >= MIB else f"{b / 1024:g} KiB"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", default="2,4")
+    ap.add_argument("--min-bytes", type=int, default=64 * 1024)
+    ap.add_argument("--max-bytes", type=int, default=256 * MIB)
+    ap.add_argument("--factor", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--stages", default="auto")
+    ap.add_argument("--tile-bytes", type=int, default=None, help="default: EchoBuffer's")
+    ap.add_argument("--tile-sweep-bytes", type=int, default=64 * MIB, help="message size of the tile sweep (0: none)")
+    ap.add_argument("--tile-sweep", default=f"{256 * 1024},{MIB},{4 * MIB},{16 * MIB},0")
+    ap.add_argument("--pingpong", type=int, default=2000, help="round trips of the flag latency test (0: none)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from echo_ds.p2p.buffer import kDefaultTileBytes
+
+    cfg = {"min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor, "warmup": args.warmup,
+           "iters": args.iters, "stages": args.stages,
+           "tile_bytes": kDefaultTileBytes if args.tile_bytes is None else args.tile_bytes,
+           "tile_sweep_bytes": args.tile_sweep_bytes, "tile_sweep": [int(v) for v in args.tile_sweep.split(",")]}
+    report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "date": time.strftime(
+        "%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv), "flags": None, "sweeps": {}}
+
+    if args.pingpong:
+        lat = run_distributed(flag_latency_body, 2, args.pingpong, timeout=300)[0]
+        report["flags"] = lat
+        print(f"\nFlag round trip between two ranks ({args.pingpong} round trips, one flag each way), rank 0:")
+        print("| mechanism | eager (host-launched) | CUDA graph |")
+        print("|---|---|---|")
+        for mode, name in (("kernel", "in-kernel: echo_p2p_signal_kernel + echo_p2p_wait_kernel"),
+                           ("memop", "cuStreamWriteValue32 + cuStreamWaitValue32")):
+            cells = []
+            for key in (mode, mode + "-graph"):
+                v = lat[key]
+                cells.append(f"{v:.2f} us" if isinstance(v, float) else str(v))
+            print(f"| {name} | {cells[0]} | {cells[1]} |")
+
+    world_sizes = [int(v) for v in args.world_sizes.split(",")]
+    for P in world_sizes:
+        # The tile sweep at the largest world size only (device time is short).
+        res = run_distributed(sweep_body, P, dict(cfg, tile_sweep_bytes=cfg["tile_sweep_bytes"] if P == world_sizes[-1]
+                                                  else 0), timeout=600)[0]
+        report["sweeps"][P] = res
+        print(f"\nEcho all-reduce, P = {P} ranks, bf16, 4-bit, g = 128, zero_aware, stages: "
+              f"{res['rows'][0]['stages'] if res['rows'] else '?'}; tile {_fmt_bytes(cfg['tile_bytes'])}; "
+              f"median of {args.iters} (min..max); host = host time to issue one call")
+        print("| size | time | algbw | busbw | host | compensated time | correct |")
+        print("|---:|---:|---:|---:|---:|---:|:---:|")
+        for r in res["rows"]:
+            p, c = r["plain"], r["compensated"]
+            algbw = r["bytes"] / p["median_s"] / 1e9
+            busbw = algbw * 2 * (P - 1) / P
+            print(f"| {_fmt_bytes(r['bytes'])} | {p['median_s'] * 1e6:.1f} us ({p['min_s'] * 1e6:.0f}..{p['max_s'] * 1e6:.0f}) "
+                  f"| {algbw:.1f} GB/s | {busbw:.1f} GB/s | {p['host_median_s'] * 1e6:.0f} us "
+                  f"| {c['median_s'] * 1e6:.1f} us | {'yes' if r['ok'] else 'NO'} |")
+        if res["tiles"]:
+            print(f"\nTile size at {_fmt_bytes(cfg['tile_sweep_bytes'])} (P = {P}):")
+            print("| tile bytes | tiles | time | host |")
+            print("|---:|---:|---:|---:|")
+            for t in res["tiles"]:
+                tb = "one per segment" if t["tile_bytes"] == 0 else _fmt_bytes(t["tile_bytes"])
+                print(f"| {tb} | {t['num_tiles']} | {t['median_s'] * 1e6:.1f} us ({t['min_s'] * 1e6:.0f}.."
+                      f"{t['max_s'] * 1e6:.0f}) | {t['host_median_s'] * 1e6:.0f} us |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+#!/bin/bash
+# Build + test + benchmark of the p2p transport in one GPU session (benchmarks/RESULTS.md, "P2P transport").
+#
+#   bash /work/shared/tools/gpu_wheels.sh          # once, on the development machine: fills .whl/
+#   then on the GPU machine, from the repository root (carry .whl):
+#   OUT=/some/dir bash benchmarks/p2p_gpu.sh
+#
+# Several ranks share the one GPU: MPS is started (and stopped at the end) so that their kernels, the
+# spinning flag waits among them, run side by side; without it the script goes on with time-slicing.
+# ECHO_P2P_QUICK=1 makes it a smoke run (see below).
+# Writes to $OUT: env.txt, build.log, ops_build.log, test.log, p2p_log.txt (the suite's findings),
+# bench.log, bench.json.
+set -u
+OUT=${OUT:-/tmp/p2p_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "wheel install failed"; exit 1; }
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
+export TORCH_CUDA_ARCH_LIST=9.0
+export MAX_JOBS=${MAX_JOBS:-16}
+export ECHO_DS_BUILD_DIR=/tmp/echo_build
+export ECHO_P2P_LOG=$OUT/p2p_log.txt
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+: > "$ECHO_P2P_LOG"
+
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nvcc --version | tail -1
+  python3 -c "import torch, deepspeed; from cuda import bindings; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'cuda-bindings', bindings.__version__)"; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# MPS, with its own pipe directory; checked with one CUDA context before it is relied on.
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/echo_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/echo_mps_log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+MPS=0
+if nvidia-cuda-mps-control -d 2>/dev/null; then
+  if timeout 60 python3 -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()" 2>/dev/null; then
+    MPS=1
+  else
+    echo quit | nvidia-cuda-mps-control; sleep 1
+  fi
+fi
+stamp "MPS: $MPS"
+
+# The fused kernels (echo_ds.ops, issue 4) build in the background while the transport runs alone.
+( timeout 240 python3 -c "
+import time; t = time.perf_counter()
+import echo_ds.ops as E
+E.load()
+print(f'echo_ds.ops JIT build/load: {time.perf_counter() - t:.1f} s')" > "$OUT/ops_build.log" 2>&1; echo "rc=$?" >> "$OUT/ops_build.log" ) &
+OPS=$!
+
+{ python3 -m echo_ds.p2p.builder; } 2>&1 | tee "$OUT/build.log"
+stamp "transport kernels built"
+
+PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
+# ECHO_P2P_QUICK=1: a smoke run of about a minute and a half (smaller sizes, 1,000 stress calls, one kill).
+if [ -n "${ECHO_P2P_QUICK:-}" ]; then
+  KILLED="killed and 2"
+  BENCH_ARGS=${BENCH_ARGS:-"--world-sizes 2 --max-bytes 16777216 --factor 16 --iters 5 --tile-sweep-bytes 0 --pingpong 500"}
+else
+  KILLED="killed"
+fi
+{
+  stamp "torch stages (the transport with the fallback stages, while echo_ds.ops builds)"
+  timeout 100 $PYTEST tests/test_p2p_gpu.py -k "torch_stages" --timeout 90
+  timeout 240 tail --pid=$OPS -f /dev/null; cat "$OUT/ops_build.log"
+  stamp "suites P = 2, 4 (fused kernels where built)"
+  timeout 180 $PYTEST tests/test_p2p_gpu.py -k "suite" --timeout 120
+  stamp "suites done"
+} 2>&1 | tee "$OUT/test.log" | grep -v "^\[.*WARNING"
+
+BENCH_ARGS=${BENCH_ARGS:-"--warmup 2 --iters 5"}
+timeout 100 python3 benchmarks/bench_p2p.py --json "$OUT/bench.json" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v "WARNING"
+stamp "bench done"
+
+# Last: a killed rank (its teardown under MPS must not disturb the runs above).
+{ timeout 60 $PYTEST tests/test_p2p_gpu.py -k "$KILLED" --timeout 50; stamp "killed-rank tests done"; } 2>&1 \
+  | tee -a "$OUT/test.log" | grep -v "^\[.*WARNING"
+
+[ "$MPS" = 1 ] && echo quit | nvidia-cuda-mps-control
+echo "=== summary ==="
+cat "$ECHO_P2P_LOG"
+grep -h -E "passed|failed|error" "$OUT/test.log" | tail -4
+stamp "end"

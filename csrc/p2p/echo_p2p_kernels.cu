@@ -1,0 +1,178 @@
+// Transport kernels of the p2p backend: the call's flag base, peer puts that publish a flag after their
+// data, and waits that give up after a timeout. The Echo stages themselves (quantize, reduce,
+// dequantize) are not here; these kernels only move bytes and order them across GPUs.
+//
+// Built on its own (echo_ds/p2p/builder.py: one nvcc -cubin) and launched
+// through the driver API, so the transport needs no torch extension build. Every kernel takes one
+// parameter struct by value, laid out in echo_p2p.h.
+
+#include "echo_p2p.h"
+
+namespace {
+
+__device__ __forceinline__ void st_release_sys(uint32_t* addr, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* addr) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_volatile(const uint32_t* addr) {
+  return *reinterpret_cast<const volatile uint32_t*>(addr);
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Copies num_bytes from src to dst with the widest access both addresses and the length allow.
+// Threads of all blocks in `group` stride over the range.
+__device__ void copy_range(const unsigned char* src, unsigned char* dst, uint64_t num_bytes,
+                           uint64_t thread, uint64_t num_threads) {
+  const uint64_t misalign = (reinterpret_cast<uint64_t>(src) | reinterpret_cast<uint64_t>(dst)) & 15;
+  uint64_t done = 0;
+  if (misalign == 0) {
+    const uint64_t num_vec = num_bytes / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (uint64_t i = thread; i < num_vec; i += num_threads) d[i] = s[i];
+    done = num_vec * 16;
+  } else if ((misalign & 3) == 0) {
+    const uint64_t num_words = num_bytes / 4;
+    const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (uint64_t i = thread; i < num_words; i += num_threads) d[i] = s[i];
+    done = num_words * 4;
+  }
+  for (uint64_t i = done + thread; i < num_bytes; i += num_threads) dst[i] = src[i];
+}
+
+}  // namespace
+
+extern "C" {
+
+// The kernels' layout, read by the Python mirror at load time (cuModuleGetGlobal).
+#define ECHO_P2P_LAYOUT_ENTRY(v) static_cast<unsigned long long>(v),
+__device__ const unsigned long long echo_p2p_layout[] = {ECHO_P2P_LAYOUT_LIST(ECHO_P2P_LAYOUT_ENTRY)};
+#undef ECHO_P2P_LAYOUT_ENTRY
+
+// One thread, first thing of every call on the caller's stream: B(c) = 3c. Graph replays run it too,
+// so the base lives on the device and a replayed graph never re-uses a captured value (the frozen
+// host counter of QuickReduce's graph bug).
+__global__ void echo_p2p_begin_call_kernel(const EchoP2PSignalParams p) {
+  EchoP2PControl* control = reinterpret_cast<EchoP2PControl*>(p.control);
+  const uint32_t call = control->call_index + 1;
+  control->call_index = call;
+  control->base = call * kStagesPerCall;
+}
+
+// grid (num_blocks), block (threads): all copies, striped over the whole grid, then the last block to
+// finish publishes every flag.
+__global__ void echo_p2p_put_kernel(const EchoP2PPutParams p) {
+  EchoP2PControl* control = reinterpret_cast<EchoP2PControl*>(p.control);
+  const uint64_t thread = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t num_threads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint32_t c = 0; c < p.num_copies; ++c) {
+    copy_range(reinterpret_cast<const unsigned char*>(p.src[c]), reinterpret_cast<unsigned char*>(p.dst[c]),
+               p.num_bytes[c], thread, num_threads);
+  }
+  if (p.num_flags == 0) return;
+  __shared__ uint32_t is_last;
+  // NOTE: each thread's peer writes are made visible system-wide before its block counts itself in:
+  // __syncthreads orders them before thread 0's fence, whose cumulativity covers the whole block.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    // atomicInc wraps to 0 after gridDim.x arrivals, so the counter is back to 0 for the next launch on
+    // this lane (launches of one lane are ordered by their stream).
+    const uint32_t prev = atomicInc(&control->arrivals[p.lane], gridDim.x - 1);
+    is_last = (prev == gridDim.x - 1);
+  }
+  __syncthreads();
+  if (!is_last) return;
+  if (threadIdx.x < p.num_flags) {
+    // NOTE: the other blocks' data writes happen-before their fence and arrival; this block acquired
+    // them through the atomic and the fence below, and the release store publishes them with the flag.
+    __threadfence_system();
+    const uint32_t value = control->base + p.stage_offset;
+    st_release_sys(reinterpret_cast<uint32_t*>(p.flag[threadIdx.x]), value);
+    if (threadIdx.x == 0 && p.local_progress) *reinterpret_cast<volatile uint32_t*>(p.local_progress) = value;
+  }
+}
+
+// A flag write with no data: for a stage whose kernel wrote its data into the peers' buffers itself
+// (earlier on this stream). One block of at least num_flags threads.
+__global__ void echo_p2p_signal_kernel(const EchoP2PSignalParams p) {
+  const EchoP2PControl* control = reinterpret_cast<const EchoP2PControl*>(p.control);
+  if (threadIdx.x < p.num_flags) {
+    // NOTE: the data was written by earlier kernels of this stream; they completed before this one
+    // started, and the system fence orders their writes, as this thread observes them, before the flag.
+    __threadfence_system();
+    const uint32_t value = p.use_base ? control->base + p.stage_offset : p.value;
+    st_release_sys(reinterpret_cast<uint32_t*>(p.flag[threadIdx.x]), value);
+    if (threadIdx.x == 0 && p.local_progress) *reinterpret_cast<volatile uint32_t*>(p.local_progress) = value;
+  }
+}
+
+// One block of 32 threads; thread i < num_flags polls flag i. Gives up after timeout_ns (then fills the
+// error record once per rank and poisons the control block so that every later wait returns at once),
+// or at once when the host asked to abort or an earlier wait failed.
+//
+// Why a kernel and not cuStreamWaitValue32: measured on the H200 (two ranks on one GPU under MPS, one
+// flag each way, 2000 round trips, benchmarks/RESULTS.md "P2P transport"), signal + wait kernels take
+// 6.72 us per round trip in a CUDA graph (14.13 us host-launched), cuStreamWriteValue32 +
+// cuStreamWaitValue32 4.60 us (6.48 us): the memops are faster, by about 1 us per hand-off in a graph.
+// They are still not used, because a memop wait can neither time out (a dead peer would hang the
+// survivor's stream for good; here the wait ends after timeout_ns with an error naming rank, peer, stage
+// and call) nor take its value from device memory (a captured graph would replay the captured value, and
+// re-arming every wait node per replay costs host work; here the value comes from control->base). The
+// way to beat both is to poll inside the consumer kernels themselves (no launch at all): docs/p2p.md.
+__global__ void echo_p2p_wait_kernel(const EchoP2PWaitParams p) {
+  EchoP2PControl* control = reinterpret_cast<EchoP2PControl*>(p.control);
+  EchoP2PErrorRecord* error = reinterpret_cast<EchoP2PErrorRecord*>(p.error);
+  const uint32_t expected = p.use_base ? control->base + p.stage_offset : p.value;
+  const uint32_t i = threadIdx.x;
+  if (i < p.num_flags) {
+    const uint32_t* flag = reinterpret_cast<const uint32_t*>(p.flag[i]);
+    const uint64_t start = global_timer_ns();
+    uint32_t seen = ld_acquire_sys(flag);
+    uint32_t polls = 0;
+    while (seen != expected) {
+      // The slow checks (clock, abort word in host memory, poison) every 64 polls keep the poll loop on
+      // the flag's cache line; 64 polls of an L2-resident word take well under a microsecond.
+      if ((++polls & 63) == 0) {
+        const uint64_t waited = global_timer_ns() - start;
+        const bool aborted = ld_volatile(&error->abort_request) != 0;
+        const bool poisoned = ld_volatile(&control->poisoned) != 0;
+        if (waited > p.timeout_ns || aborted || poisoned) {
+          if (!poisoned && atomicCAS(&control->poisoned, 0u, 1u) == 0u) {
+            volatile EchoP2PErrorRecord* e = error;
+            e->rank = p.rank;
+            e->peer = p.peer[i];
+            e->stage = p.stage;
+            e->tile = p.tile;
+            e->call_index = control->call_index;
+            e->expected = expected;
+            e->seen = seen;
+            e->waited_ns = waited;
+            __threadfence_system();
+            e->code = aborted ? kErrorAborted : kErrorTimeout;
+            __threadfence_system();
+          }
+          break;
+        }
+      }
+      seen = ld_acquire_sys(flag);
+    }
+  }
+  // NOTE: the acquire loads above order the peers' data before everything this stream runs next
+  // (the next kernel starts only after this block has exited).
+  __syncthreads();
+}
+
+}  // extern "C"

@@ -1,0 +1,24 @@
+"""The "p2p" backend: Echo's all-reduce over peer-to-peer writes between the GPUs of one host.
+
+:class:`EchoBuffer` owns a tensor-parallel group's resources (workspace, IPC mappings, flags, streams,
+schedule cache) and runs the tiled four-stage pipeline of section 4.2; :mod:`echo_ds.p2p.policy` decides,
+as pure functions, whether a group and a call can use it; :mod:`echo_ds.p2p.protocol` is the flag
+protocol (values, release rule, timeout messages). The reference path (echo_ds.reference) defines the
+numbers, and this backend reproduces them bit for bit. Design notes: docs/p2p.md.
+"""
+
+from echo_ds.p2p.policy import (Decision, GroupFacts, call_decision, group_decision,
+                                p2p_transport_status)
+from echo_ds.p2p.protocol import EchoP2PError, EchoP2PTimeout
+
+__all__ = ["EchoBuffer", "EchoP2PError", "EchoP2PTimeout", "Decision", "GroupFacts", "call_decision",
+           "group_decision", "p2p_transport_status"]
+
+
+def __getattr__(name):
+    # The buffer pulls in torch.distributed and the driver bindings: import it on first use.
+    if name == "EchoBuffer":
+        from echo_ds.p2p.buffer import EchoBuffer
+
+        return EchoBuffer
+    raise AttributeError(name)

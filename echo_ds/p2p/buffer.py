@@ -1,0 +1,565 @@
+"""EchoBuffer: the one owner of a tensor-parallel group's p2p resources (DeepEP's ``Buffer``).
+
+::
+
+    buf = EchoBuffer(tp_group)                                  # collective: every rank of the group
+    y = buf.all_reduce(x, cfg.quant_spec(), compensator=comp, pow2_rescale=False)
+    buf.close()                                                 # or leave it to interpreter exit
+
+The constructor does the whole handshake, so that afterwards nothing is half set up: it builds and
+loads the transport kernels, allocates this rank's code buffer, parameter buffer and signal words,
+exchanges IPC handles over the group, opens the peers', builds the 3P + 1 address table and proves
+peer writes with a write-and-verify probe. Where any of it is missing it logs one warning naming the
+setting to change and every call takes the reference path (echo_ds.reference) instead; the results
+are the same bits either way.
+
+One call (section 4.2, appendix C): the caller's stream raises the device-resident flag base and
+records a start event; the push stream forms x' (compensation, rotation, the pow2 max exchange) and
+puts the codes of each tile into its owner's buffer, publishing a flag per tile; the reduce stream
+waits for a tile's flags, reduces and requantizes it; the gather stream puts the reduced tile to every
+peer; the tail stream waits for the owners' tiles and decodes them; the caller's stream waits for the
+ends. The compensator's update runs on a fifth stream, beside the caller's next kernels, and the next
+call's entry waits for it. The host never synchronises while tiles are in flight.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import socket
+import threading
+import weakref
+from collections import OrderedDict
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from echo_ds import collective as C
+from echo_ds.p2p import layout as L
+from echo_ds.p2p import policy
+from echo_ds.p2p import protocol as proto
+from echo_ds.p2p.stages import KernelSchedule, Schedule, TorchSchedule, schedule_key
+from echo_ds.quant import QuantSpec
+
+logger = logging.getLogger("echo_ds.p2p")
+
+# Wire bytes of one tile per peer: 16 MiB, from the tile sweep on the H200 (benchmarks/RESULTS.md, "P2P
+# transport": 64 MiB bf16 message, P = 4 ranks on one GPU, fused kernels): 256 KiB tiles 5.95 ms,
+# 1 MiB 1.66 ms, 4 MiB 0.81 ms, 16 MiB 0.50 ms, one tile per segment 0.46 ms (medians). Every tile costs
+# about 250 us of host time (eight launches through Python), and on one GPU a "peer" write is a local HBM
+# write with nothing to overlap, so fewer tiles win; 16 MiB ties with one tile up to 64 MiB messages at
+# P = 4 and still pipelines the largest ones. Re-measure over NVLink (issue 8), and once the launch
+# sequence moves out of Python, where smaller tiles overlap the transfers with the quantisation.
+kDefaultTileBytes = 16 * 1024 * 1024
+kDefaultMaxNumel = 1 << 26  # 64 Mi elements: a 128 MiB bf16 activation, 256 MiB in fp32
+kScheduleCacheSize = 32
+kStreams = ("push", "reduce", "gather", "tail", "update")
+
+_live_buffers: "weakref.WeakSet[EchoBuffer]" = weakref.WeakSet()
+_warned: set = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(reason: str, rank: int) -> None:
+    with _warn_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    if rank == 0:
+        logger.warning("echo p2p: using the reference path: %s", reason)
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _default_timeout() -> float:
+    return float(os.environ.get("ECHO_P2P_TIMEOUT_S", proto.kDefaultTimeoutS))
+
+
+class EchoBuffer:
+    """The p2p transport of one tensor-parallel group (collective constructor: call it on every rank).
+
+    group: the process group (None: the default group). Its backend only carries the handshake.
+    max_numel: largest message in elements; sizes the workspace (about 2 bytes per element plus the
+        parameters, per rank). Larger messages take the reference path, with one warning.
+    tile_bytes: wire bytes of one tile per peer (0: one tile per segment).
+    timeout_s: a cross-GPU wait longer than this fails the call with EchoP2PTimeout naming rank, peer,
+        stage and call number (default ECHO_P2P_TIMEOUT_S or 5 s). Ranks must not drift further apart.
+    device: this rank's GPU (default: torch's current device).
+    transport: "cuda" (IPC + kernels) or "host" (shared memory between CPU processes: tests only).
+    stages: "auto" (the fused kernels of echo_ds.ops where they are built and support the call, else
+        torch), "kernels" (the same, with a warning where they cannot), or "torch".
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, max_numel: int = kDefaultMaxNumel,
+                 tile_bytes: int = kDefaultTileBytes, timeout_s: Optional[float] = None,
+                 device: Optional[torch.device] = None, transport: str = "cuda", stages: str = "auto",
+                 min_group_size: int = 16):
+        if stages not in ("auto", "kernels", "torch"):
+            raise ValueError(f"stages={stages!r} must be 'auto', 'kernels' or 'torch'")
+        self.stages = stages
+        self._ops = None
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout_s = _default_timeout() if timeout_s is None else float(timeout_s)
+        self.tile_bytes = tile_bytes
+        self.capacity = L.Capacity(self.world_size, max_numel, min_group_size)
+        self.transport = None
+        self.module = None
+        self.active = False
+        self.reason = ""
+        self.closed = False
+        self._schedules: "OrderedDict[object, Schedule]" = OrderedDict()
+        self._streams = {}
+        self._events = {}
+        self._update_pending = False
+        self._num_calls = 0
+        self._fault = None  # tests: (call number, "exit_after_push")
+        if transport == "host":
+            self.device = torch.device("cpu")
+            self._init_host()
+        elif transport == "cuda":
+            self._init_cuda(device)
+        else:
+            raise ValueError(f"transport={transport!r} must be 'cuda' or 'host'")
+        if not self.active:
+            _warn_once(self.reason, self.rank)
+        _live_buffers.add(self)
+
+    # ------------------------------------------------------------------------------------------------
+    # Construction
+    # ------------------------------------------------------------------------------------------------
+
+    def _gather(self, obj) -> list:
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _init_cuda(self, device) -> None:
+        if not torch.cuda.is_available():
+            self.device = torch.device("cpu")
+            facts = policy.GroupFacts("cpu", self.world_size, True, False, False)
+            self._gather(None)  # keep the ranks' collective calls matched
+            self.reason = policy.group_decision(facts).reason
+            return
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None
+                                   else torch.device(device).index or 0)
+        torch.cuda.set_device(self.device)
+        torch.zeros(1, device=self.device)  # the primary context is current from here on
+        kernels_error = ""
+        try:
+            from echo_ds.p2p import builder, driver
+
+            driver.init()
+            path, _ = builder.build(builder.arch_of_device(self.device.index))
+            self.module = driver.Module(path.read_bytes())
+            exported = tuple(int.from_bytes(self.module.read_global("echo_p2p_layout")[i:i + 8], "little")
+                             for i in range(0, 8 * len(L.expected_layout()), 8))
+            if exported != L.expected_layout():
+                raise RuntimeError(f"kernel layout {exported} != Python mirror {L.expected_layout()} "
+                                   f"(csrc/p2p/echo_p2p.h and echo_ds/p2p/layout.py drifted apart)")
+            uuid = driver.device_uuid(self.device.index)
+        except Exception as e:  # noqa: BLE001 - any failure here means "no fast path", with the reason
+            kernels_error = f"{type(e).__name__}: {e}"
+            uuid = None
+        me = {"host": _host_id(), "uuid": uuid, "ordinal": self.device.index, "kernels_error": kernels_error}
+        everyone = self._gather(me)
+        same_host = len({e["host"] for e in everyone}) == 1
+        errors = [f"rank {j}: {e['kernels_error']}" for j, e in enumerate(everyone) if e["kernels_error"]]
+        peer_access = True
+        if same_host and not errors:
+            from echo_ds.p2p import driver
+
+            # Peers on one host: every distinct device of the group must reach mine. A device's ordinal
+            # in another process can differ (CUDA_VISIBLE_DEVICES), so they are matched by UUID.
+            ordinal_of = {driver.device_uuid(i): i for i in range(torch.cuda.device_count())}
+            for e in everyone:
+                peer = ordinal_of.get(e["uuid"])
+                if peer is None or not driver.can_access_peer(self.device.index, peer):
+                    peer_access = False
+            peer_access = all(self._gather(peer_access))
+        facts = policy.GroupFacts("cuda", self.world_size, same_host, peer_access, not errors, "; ".join(errors))
+        decision = policy.group_decision(facts)
+        if not decision:
+            self.reason = decision.reason
+            return
+        from echo_ds.p2p.transport import CudaTransport
+
+        self.transport = CudaTransport(self.group, self.rank, self.world_size, self.device, self.capacity,
+                                       self.timeout_s, self.module)
+        self._streams = {name: torch.cuda.Stream(self.device) for name in kStreams}
+        self._ops = self._load_ops() if self.stages != "torch" else None
+        self._events = self._new_events()
+        self._graph_events = []  # the events of captured calls, kept with the buffer
+        self._finish_handshake()
+
+    @staticmethod
+    def _new_events() -> dict:
+        return {name: torch.cuda.Event() for name in
+                ("start", "pushed0", "pushed1", "reduced0", "reduced1", "gather_end", "tail_end", "update")}
+
+    def _load_ops(self):
+        """echo_ds.ops (the fused kernels, JIT-built once), or None with the reason logged once."""
+        try:
+            import echo_ds.ops as ops
+
+            why = ops.unavailable_reason()
+            if why is None:
+                ops.load()
+                return ops
+        except Exception as e:  # noqa: BLE001
+            why = f"{type(e).__name__}: {e}"
+        msg = f"the fused kernels of echo_ds.ops are unavailable ({why}); the p2p stages run through torch"
+        if self.stages == "kernels":
+            _warn_once(msg, self.rank)
+        else:
+            logger.info("echo p2p: %s", msg)
+        return None
+
+    def _init_host(self) -> None:
+        from echo_ds.p2p.transport import HostTransport
+
+        self.transport = HostTransport(self.group, self.rank, self.world_size, self.capacity, self.timeout_s)
+        self._finish_handshake()
+
+    def _finish_handshake(self) -> None:
+        ok, why = self._probe()
+        verdicts = self._gather((ok, why))
+        bad = [f"rank {j}: {w}" for j, (o, w) in enumerate(verdicts) if not o]
+        facts = policy.GroupFacts("cuda", self.world_size, True, True, True, "", not bad, "; ".join(bad))
+        decision = policy.group_decision(facts)
+        if decision:
+            self.active = True
+            return
+        self.reason = decision.reason
+        self.transport.close()
+        self.transport = None
+
+    def _probe(self):
+        """Write-and-verify: every rank puts four words into each peer's probe slot and signals it; each
+        rank waits for all its peers' signals and checks the words. The driver's peer-access answer can
+        be wrong on some hosts; this proves the path the calls will use (put kernel, flag, wait)."""
+        t = self.transport
+        me = self.rank
+        if t.error:  # this rank could not map its peers: keep the collective calls matched, then decline
+            dist.barrier(group=self.group)
+            dist.barrier(group=self.group)
+            return False, t.error
+        nonce = (0x9E3779B9 * (me + 1) + 0x7F4A7C15 * self.world_size) & 0xFFFFFFFF
+        words = torch.tensor([0xEC40, nonce & 0x7FFFFFFF, me, 0], dtype=torch.int32, device=self.device)
+        others = [j for j in range(self.world_size) if j != me]
+        put = t.prepare_put([(words, 0, 12, j, "signals", L.signal_offset("probe", me, 0)) for j in others],
+                            [], 0, L.kLaneProbe)
+        stream = torch.cuda.current_stream(self.device) if t.kind == "cuda" else None
+        dist.barrier(group=self.group)
+        try:
+            t.put(put, stream)
+            flag_value = 0x40000000 | me  # any value no call publishes before the first wrap
+            t.signal(t.prepare_signal([(j, L.signal_offset("probe", me, 3)) for j in others], 0, flag_value), stream)
+            for s in others:
+                wait = t.prepare_wait([(s, L.signal_offset("probe", s, 3))], 0, proto.kWaitProbe, 0,
+                                      value=0x40000000 | s)
+                t.wait(wait, stream)
+            if t.kind == "cuda":
+                torch.cuda.synchronize(self.device)
+            failure = t.failure()
+            if failure is not None:
+                t.clear_failure()
+                return False, proto.describe_failure(failure, self.timeout_s, self.world_size)
+            got = t.signals[L.signal_offset("probe", 0, 0):L.signal_offset("probe", self.world_size, 0)]
+            got = got.view(torch.int32).view(self.world_size, 4).cpu()
+            for s in others:
+                want = [0xEC40, ((0x9E3779B9 * (s + 1) + 0x7F4A7C15 * self.world_size) & 0xFFFFFFFF) & 0x7FFFFFFF, s]
+                if got[s, :3].tolist() != want:
+                    return False, f"rank {me} read {got[s, :3].tolist()} from rank {s}'s probe, expected {want}"
+            return True, ""
+        except Exception as e:  # noqa: BLE001
+            return False, f"rank {me}: {type(e).__name__}: {e}"
+        finally:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------------------------------------
+    # Public
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def table(self) -> List[int]:
+        """The 3P + 1 addresses: P code buffers, P parameter buffers, P signal arrays, the flag base."""
+        return self.transport.table_entries() if self.transport is not None else []
+
+    @property
+    def num_calls(self) -> int:
+        return self._num_calls
+
+    def failure(self) -> Optional[str]:
+        """The message of this group's first failed wait, or None (reads pinned memory: no sync)."""
+        if self.transport is None:
+            return None
+        f = self.transport.failure()
+        return None if f is None else proto.describe_failure(f, self.timeout_s, self.world_size)
+
+    def check(self) -> None:
+        """Raise EchoP2PTimeout if any wait of this group has failed so far (no synchronisation)."""
+        if self.closed:
+            raise proto.EchoP2PError("echo p2p: the EchoBuffer is closed")
+        msg = self.failure()
+        if msg is not None:
+            raise proto.EchoP2PTimeout(msg)
+
+    def synchronize(self) -> None:
+        """Wait for every call issued so far (bounded: waits give up after the timeout), then check()."""
+        if self.transport is not None and self.transport.kind == "cuda":
+            for s in self._streams.values():
+                s.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+        self.check()
+
+    def wait_update(self) -> None:
+        """Make the current stream wait for the last compensator update (before reading its state)."""
+        if self._update_pending and self.transport.kind == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(self._events["update"])
+
+    def would_use_p2p(self, x: torch.Tensor, spec: QuantSpec, compensator=None) -> policy.Decision:
+        """The call policy for ``x`` (a pure function of its size, dtype and the group's facts)."""
+        if not self.active:
+            return policy.Decision(False, self.reason)
+        return policy.call_decision(
+            dtype=x.dtype, numel=x.numel(), element_size=x.element_size(), world_size=self.world_size,
+            bits=spec.bits, group_size=spec.group_size, capacity=self.capacity,
+            telemetry=bool(compensator is not None and compensator.telemetry),
+            device_matches=x.device == self.device)
+
+    def all_reduce(self, x: torch.Tensor, spec: QuantSpec, compensator=None, pow2_rescale: bool = False) -> torch.Tensor:
+        """The Echo all-reduce of ``x`` over the group: a new tensor of ``x``'s shape and dtype.
+
+        Same contract and same bits as :func:`echo_ds.reference.echo_all_reduce` (x: any shape, fp32 /
+        bf16 / fp16, left untouched; compensator: this direction's state, updated in place; all ranks
+        return bit-identical tensors). Asynchronous like a NCCL call: the result is ordered on the
+        current stream; a failed wait surfaces at the next call, ``synchronize()`` or ``check()``.
+        """
+        if not x.is_floating_point():
+            raise TypeError(f"all_reduce expects a floating-point tensor, got {x.dtype}")
+        if self.closed:
+            raise proto.EchoP2PError("echo p2p: all_reduce on a closed EchoBuffer")
+        if self.world_size == 1:
+            return x.clone()
+        decision = self.would_use_p2p(x, spec, compensator)
+        if not decision:
+            if self.active:
+                _warn_once(decision.reason, self.rank)
+            from echo_ds.reference import echo_all_reduce
+
+            return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale)
+        self.check()
+        if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
+            # NOTE: an event recorded inside a capture must never be waited on outside it (CUDA answers
+            # "invalid argument", seen on the H200 at the first eager call after a replay), so a captured
+            # call records its own events; the capture joins its update into the caller's stream, so no
+            # eager call has to wait for it afterwards.
+            eager_events, self._events = self._events, self._new_events()
+            self._graph_events.append(self._events)
+            try:
+                return self._p2p_all_reduce(x, spec, compensator, pow2_rescale)
+            finally:
+                self._events = eager_events
+                self._update_pending = False
+        return self._p2p_all_reduce(x, spec, compensator, pow2_rescale)
+
+    # ------------------------------------------------------------------------------------------------
+    # The pipeline
+    # ------------------------------------------------------------------------------------------------
+
+    def _stages_for(self, x: torch.Tensor, spec: QuantSpec) -> str:
+        """"kernels" where echo_ds.ops is loaded and supports the call, else "torch" (same bits)."""
+        if self._ops is None or self.stages == "torch":
+            return "torch"
+        why = self._ops.unsupported_reason(self.world_size, spec, x.dtype)
+        if why is not None:
+            if self.stages == "kernels":
+                _warn_once(f"the fused kernels do not support this call ({why}); its stages run through torch",
+                           self.rank)
+            return "torch"
+        return "kernels"
+
+    def _schedule(self, x: torch.Tensor, spec: QuantSpec, layout: C.Layout, caller) -> Schedule:
+        kind = self._stages_for(x, spec)
+        key = (schedule_key(x.dtype, spec, layout), kind)
+        sched = self._schedules.get(key)
+        if sched is not None:
+            self._schedules.move_to_end(key)
+            return sched
+        if len(self._schedules) >= kScheduleCacheSize:
+            victim = next((k for k, s in self._schedules.items() if not s.pinned), None)
+            if victim is not None:
+                # The update stream may still read the victim's workspace.
+                if self._update_pending and caller is not None:
+                    caller.wait_event(self._events["update"])
+                del self._schedules[victim]
+        args = (key[0], spec, layout, self.rank, self.world_size, self.transport, self.tile_bytes, self.capacity,
+                self.device)
+        sched = KernelSchedule(*args, ops=self._ops) if kind == "kernels" else TorchSchedule(*args)
+        sched.stream = self._streams
+        self._schedules[key] = sched
+        return sched
+
+    def _on(self, name: str):
+        s = self._streams.get(name)
+        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+
+    def _record(self, event: str, stream: str) -> None:
+        if self._streams:
+            self._events[event].record(self._streams[stream])
+
+    def _wait(self, stream: str, event: str) -> None:
+        if self._streams:
+            self._streams[stream].wait_event(self._events[event])
+
+    def _p2p_all_reduce(self, x, spec, compensator, pow2):
+        t = self.transport
+        cuda = t.kind == "cuda"
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        caller = torch.cuda.current_stream(self.device) if cuda else None
+        layout = C.Layout(x.numel(), self.world_size, spec.group_size)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if compensator is not None:
+            shape = (self.world_size, layout.groups_per_segment, spec.group_size)
+            if self._update_pending and cuda and not capturing:
+                caller.wait_event(self._events["update"])  # before a re-allocation may free the old state
+            compensator._ensure(shape, self.device)  # allocated on the caller's stream, kept across calls
+            if cuda and not capturing:
+                for m in (compensator.m1, compensator.m2):
+                    m.record_stream(self._streams["push"])
+                    m.record_stream(self._streams["update"])
+                x.record_stream(self._streams["update"])  # the update may read x beside the caller's next work
+        sched = self._schedule(x, spec, layout, caller)
+        if capturing:
+            sched.pinned = True
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._num_calls += 1
+        num_tiles = sched.tiling.num_tiles
+        sched.begin(x, y, compensator, pow2)
+
+        t.begin_call(caller)
+        if cuda:
+            self._events["start"].record(caller)
+        with self._on("push"):
+            self._wait("push", "start")
+            if compensator is not None and self._update_pending and not capturing:
+                self._wait("push", "update")
+            sched.entry()
+        if self._fault == (self._num_calls, "exit_after_push"):
+            with self._on("push"):
+                for tile in range(num_tiles):
+                    sched.push(tile)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            os._exit(17)  # tests: a rank dies in the middle of a call, its codes sent
+        # Tile-major issue order, so that the two event slots of each stage boundary alternate (appendix C).
+        for tile in range(num_tiles):
+            pushed, reduced = f"pushed{tile % 2}", f"reduced{tile % 2}"
+            with self._on("push"):
+                sched.push(tile)
+                self._record(pushed, "push")
+            with self._on("reduce"):
+                self._wait("reduce", pushed)  # this rank's own segment of the tile (fp32) is ready
+                sched.reduce(tile)
+                self._record(reduced, "reduce")
+            with self._on("gather"):
+                self._wait("gather", reduced)
+                sched.gather(tile)
+            with self._on("tail"):
+                if tile == 0:
+                    self._wait("tail", "start")
+                sched.tail(tile)
+        with self._on("gather"):
+            self._record("gather_end", "gather")
+        with self._on("tail"):
+            self._wait("tail", "gather_end")
+            sched.exit()
+            self._record("tail_end", "tail")
+        if compensator is not None:
+            with self._on("update"):
+                self._wait("update", "tail_end")
+                sched.update()
+                self._record("update", "update")
+            self._update_pending = cuda
+        if cuda:
+            caller.wait_event(self._events["pushed" + str((num_tiles - 1) % 2)])
+            caller.wait_event(self._events["tail_end"])
+            if capturing and compensator is not None:
+                # A capture must join every stream it forked; the update then ends the call's graph
+                # segment instead of overlapping the caller's next kernel.
+                caller.wait_event(self._events["update"])
+        else:
+            self.check()
+        return y
+
+    # ------------------------------------------------------------------------------------------------
+    # Teardown
+    # ------------------------------------------------------------------------------------------------
+
+    def close(self, *, abort: bool = False, barrier: bool = True) -> None:
+        """Free everything. Idempotent.
+
+        The calls issued so far finish first (bounded: a wait gives up after the timeout, or at once
+        with ``abort=True``); then this rank unmaps its peers' memory and, with ``barrier`` (a
+        collective over the group: every rank must call close), waits for every rank to have done the
+        same before freeing its own, since the driver leaves freeing exported memory that a peer still
+        maps undefined. Interpreter exit closes without the barrier (the peers may be gone).
+        """
+        if self.closed:
+            return
+        self.closed = True
+        _live_buffers.discard(self)
+        t, self.transport = self.transport, None
+        self._schedules.clear()
+        if t is None:
+            return
+        try:
+            if abort:
+                t.abort()
+            if t.kind == "cuda":
+                for s in self._streams.values():
+                    s.synchronize()
+                torch.cuda.synchronize(self.device)
+        finally:
+            t.abort()
+            try:
+                t.close_peers()
+                if barrier and dist.is_initialized():
+                    dist.barrier(group=self.group)
+            finally:
+                t.close()
+                if self.module is not None:
+                    try:
+                        self.module.unload()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    self.module = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(abort=exc[0] is not None, barrier=exc[0] is None)
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    # At exit the peers may be gone: abort every wait instead of letting it run into its timeout.
+    for buf in list(_live_buffers):
+        try:
+            buf.close(abort=True, barrier=False)
+        except Exception:  # noqa: BLE001 - never block or fail interpreter exit
+            pass

@@ -1,0 +1,272 @@
+"""Memory layout of the p2p transport: the ctypes mirror of csrc/p2p/echo_p2p.h, the workspace sizes of
+a group, and the tiling of one call. Pure Python (no device): the schedule is testable on a CPU.
+
+Workspace of one rank (three allocations exported to its peers, appendix C)::
+
+    code buffer    push half   [0, H):   P slots of code_stride bytes (slot s: the codes rank s sent me)
+                   gather half [H, 2H):  P slots (slot o: owner o's reduced codes)
+    param buffer   the same two halves; a slot holds the G fp16 scales, then the G fp16 zero-points of
+                   one segment
+    signal array   EchoP2PSignals (flags written by the peers)
+
+The halves start at fixed offsets whatever the call's size, and only the slot stride depends on it.
+NOTE: this is what makes back-to-back calls of different sizes safe. A rank that has finished call n
+may push call n + 1 while a slower peer still decodes the gathered codes of call n; its push lands in
+the push half, which that peer has finished reading (it has reduced every tile before the fast rank
+could finish), and never in the gather half it is still reading. (Slots laid out end to end by the
+call's own stride would let a push of a larger call overwrite them: the 40-call mixed-size stress test
+of tests/test_p2p_host.py caught exactly that.)
+
+Slot ``s`` of a rank's own index is never written (a rank sends nothing to itself); keeping it makes an
+address a plain product, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Tuple
+
+from echo_ds.collective import Layout
+from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE
+
+kMaxWorld = 8
+kMaxTiles = 64
+kMaxCopies = 3 * (kMaxWorld - 1)
+kMaxFlags = kMaxWorld - 1
+kSlotAlignBytes = 256  # slot starts on a 256-byte boundary: 16-byte vector copies, whole L2 sectors
+# Tiles hold a multiple of 8 groups, so that a tile's fp16 parameters (2 bytes x 8) and codes fill whole
+# 16-byte vectors; only a segment's last tile can be shorter.
+kTileGroupQuantum = 8
+
+# Put launches: one arrival counter per stream that launches puts (EchoP2PControl::arrivals).
+kLanePush = 0
+kLaneGather = 1
+kLaneAmax = 2
+kLaneProbe = 3
+
+u32 = ctypes.c_uint32
+u64 = ctypes.c_uint64
+
+
+class Signals(ctypes.Structure):
+    _fields_ = [("push", u32 * kMaxTiles * kMaxWorld), ("gather", u32 * kMaxTiles * kMaxWorld),
+                ("amax_flag", u32 * kMaxWorld), ("amax", ctypes.c_float * kMaxWorld),
+                ("probe", u32 * 4 * kMaxWorld), ("progress", u32), ("reserved", u32 * 31)]
+
+
+class Control(ctypes.Structure):
+    _fields_ = [("base", u32), ("call_index", u32), ("poisoned", u32), ("reserved0", u32),
+                ("arrivals", u32 * 8), ("reserved", u32 * 20)]
+
+
+class ErrorRecord(ctypes.Structure):
+    _fields_ = [("code", u32), ("rank", u32), ("peer", u32), ("stage", u32), ("tile", u32),
+                ("call_index", u32), ("expected", u32), ("seen", u32), ("waited_ns", u64),
+                ("abort_request", u32), ("reserved", u32 * 5)]
+
+
+class Table(ctypes.Structure):
+    _fields_ = [("codes", u64 * kMaxWorld), ("params", u64 * kMaxWorld), ("signals", u64 * kMaxWorld),
+                ("flag_base", u64), ("reserved", u64 * 7)]
+
+
+class PutParams(ctypes.Structure):
+    _fields_ = [("src", u64 * kMaxCopies), ("dst", u64 * kMaxCopies), ("num_bytes", u64 * kMaxCopies),
+                ("flag", u64 * kMaxFlags), ("control", u64), ("local_progress", u64), ("num_copies", u32),
+                ("num_flags", u32), ("stage_offset", u32), ("lane", u32)]
+
+
+class WaitParams(ctypes.Structure):
+    _fields_ = [("flag", u64 * kMaxFlags), ("peer", u32 * kMaxFlags), ("pad0", u32), ("control", u64),
+                ("error", u64), ("timeout_ns", u64), ("num_flags", u32), ("stage_offset", u32),
+                ("use_base", u32), ("value", u32), ("rank", u32), ("stage", u32), ("tile", u32),
+                ("pad1", u32)]
+
+
+class SignalParams(ctypes.Structure):
+    _fields_ = [("flag", u64 * kMaxFlags), ("control", u64), ("local_progress", u64), ("num_flags", u32),
+                ("stage_offset", u32), ("use_base", u32), ("value", u32)]
+
+
+def expected_layout() -> Tuple[int, ...]:
+    """What ``ECHO_P2P_LAYOUT_LIST`` of echo_p2p.h must evaluate to, from the ctypes mirror."""
+    return (ctypes.sizeof(Signals), Signals.gather.offset, Signals.amax_flag.offset, Signals.amax.offset,
+            Signals.probe.offset, Signals.progress.offset, ctypes.sizeof(Control), ctypes.sizeof(ErrorRecord),
+            ErrorRecord.abort_request.offset, ctypes.sizeof(Table), ctypes.sizeof(PutParams),
+            PutParams.num_copies.offset, ctypes.sizeof(WaitParams), WaitParams.num_flags.offset,
+            ctypes.sizeof(SignalParams), kMaxWorld, kMaxTiles, kMaxCopies)
+
+
+def signal_offset(field: str, *index: int) -> int:
+    """Byte offset of one word of EchoP2PSignals, e.g. ``signal_offset("push", src, tile)``."""
+    if field not in ("push", "gather", "amax_flag", "amax", "probe", "progress"):
+        raise KeyError(field)
+    off = getattr(Signals, field).offset
+    if field in ("push", "gather"):
+        src, tile = index
+        return off + 4 * (src * kMaxTiles + tile)
+    if field in ("amax_flag", "amax"):
+        (src,) = index
+        return off + 4 * src
+    if field == "probe":
+        src, word = index
+        return off + 4 * (src * 4 + word)
+    if field == "progress":
+        return off
+    raise KeyError(field)
+
+
+def _round_up(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+# ----------------------------------------------------------------------------------------------------
+# Capacity of a group's workspace
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Capacity:
+    """Bytes of the two exported data buffers of one rank, sized for messages of up to ``max_numel``
+    elements at any bit width (8-bit codes are the largest) and group sizes >= ``min_group_size``."""
+
+    world_size: int
+    max_numel: int
+    min_group_size: int = MIN_GROUP_SIZE
+
+    @property
+    def max_segment_groups(self) -> int:
+        # A segment holds ceil(n / (P g)) groups; at the smallest g that is the most groups, and the
+        # padding of a larger g adds at most one group of that g's size (covered by the + 1).
+        return -(-self.max_numel // (self.world_size * self.min_group_size)) + 1
+
+    @property
+    def code_bytes(self) -> int:
+        # 8-bit codes, one byte an element: a segment holds ceil(n / P) elements plus at most one group
+        # of padding, of at most MAX_GROUP_SIZE elements.
+        max_segment_bytes = -(-self.max_numel // self.world_size) + MAX_GROUP_SIZE
+        return 2 * self.world_size * _round_up(max_segment_bytes, kSlotAlignBytes)
+
+    @property
+    def param_bytes(self) -> int:
+        return 2 * self.world_size * _round_up(4 * self.max_segment_groups, kSlotAlignBytes)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The tiling of one call
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tiling:
+    """Slots and tiles of a call whose segments hold ``groups_per_segment`` groups.
+
+    code_bytes_per_group: g * b / 8. A tile carries ``tile_groups`` groups of every segment (the last
+    one fewer), so one put moves tile_groups * (code_bytes_per_group + 4) bytes to each peer.
+    code_half_bytes, param_half_bytes: where the gather halves of the two buffers start (fixed by the
+    workspace's capacity, not by this call).
+    """
+
+    world_size: int
+    groups_per_segment: int
+    code_bytes_per_group: int
+    tile_groups: int
+    code_half_bytes: int
+    param_half_bytes: int
+
+    @property
+    def num_tiles(self) -> int:
+        return -(-self.groups_per_segment // self.tile_groups)
+
+    def tile(self, t: int) -> Tuple[int, int]:
+        """[first group, end group) of tile ``t`` inside a segment."""
+        if not 0 <= t < self.num_tiles:
+            raise IndexError(f"tile {t} of {self.num_tiles}")
+        g0 = t * self.tile_groups
+        return g0, min(g0 + self.tile_groups, self.groups_per_segment)
+
+    @property
+    def code_stride(self) -> int:
+        return _round_up(self.groups_per_segment * self.code_bytes_per_group, kSlotAlignBytes)
+
+    @property
+    def param_stride(self) -> int:
+        return _round_up(4 * self.groups_per_segment, kSlotAlignBytes)
+
+    # Slots are numbered 0 .. P-1 (push half) and P .. 2P-1 (gather half).
+    def push_slot(self, src: int) -> int:
+        return src
+
+    def gather_slot(self, owner: int) -> int:
+        return self.world_size + owner
+
+    def _split(self, slot: int):
+        P = self.world_size
+        if not 0 <= slot < 2 * P:
+            raise IndexError(f"slot {slot} of {2 * P}")
+        return (slot, 0) if slot < P else (slot - P, 1)
+
+    def code_offset(self, slot: int, group: int = 0) -> int:
+        i, half = self._split(slot)
+        return half * self.code_half_bytes + i * self.code_stride + group * self.code_bytes_per_group
+
+    def scale_offset(self, slot: int, group: int = 0) -> int:
+        i, half = self._split(slot)
+        return half * self.param_half_bytes + i * self.param_stride + 2 * group
+
+    def zero_offset(self, slot: int, group: int = 0) -> int:
+        i, half = self._split(slot)
+        return half * self.param_half_bytes + i * self.param_stride + 2 * self.groups_per_segment + 2 * group
+
+    @property
+    def code_bytes_needed(self) -> int:
+        """Bytes of one half of the code buffer this call uses."""
+        return self.world_size * self.code_stride
+
+    @property
+    def param_bytes_needed(self) -> int:
+        return self.world_size * self.param_stride
+
+    def fits(self) -> bool:
+        return self.code_bytes_needed <= self.code_half_bytes and self.param_bytes_needed <= self.param_half_bytes
+
+
+def choose_tile_groups(groups_per_segment: int, code_bytes_per_group: int, tile_bytes: int) -> int:
+    """Groups per tile: about ``tile_bytes`` of wire bytes (codes + fp16 parameters) per peer, a multiple
+    of kTileGroupQuantum, and no more than kMaxTiles tiles per segment."""
+    if tile_bytes <= 0:
+        return max(groups_per_segment, 1)
+    wire_per_group = code_bytes_per_group + 4
+    groups = max(kTileGroupQuantum, (tile_bytes // wire_per_group) // kTileGroupQuantum * kTileGroupQuantum)
+    fewest = _round_up(-(-groups_per_segment // kMaxTiles), kTileGroupQuantum)
+    return max(1, min(max(groups, fewest), max(groups_per_segment, 1)))
+
+
+def make_tiling(numel: int, world_size: int, bits: int, group_size: int, tile_bytes: int,
+                capacity: Capacity) -> Tiling:
+    """The tiling of a call of ``numel`` elements (the segmentation of echo_ds.collective.Layout) in a
+    workspace of ``capacity``."""
+    layout = Layout(numel, world_size, group_size)
+    G = layout.groups_per_segment
+    cb = group_size * bits // 8
+    return Tiling(world_size, G, cb, choose_tile_groups(G, cb, tile_bytes), capacity.code_bytes // 2,
+                  capacity.param_bytes // 2)
+
+
+def wire_bytes_per_rank(numel: int, world_size: int, bits: int, group_size: int) -> int:
+    """Bytes one rank sends in a call: (P - 1) segments on push and P - 1 copies of its reduced segment
+    on gather (the busbw of the benchmark counts these)."""
+    layout = Layout(numel, world_size, group_size)
+    seg = layout.groups_per_segment * (group_size * bits // 8 + 4)
+    return 2 * (world_size - 1) * seg
+
+
+def _check():
+    assert ctypes.sizeof(Signals) == 4416 and ctypes.sizeof(Control) == 128
+    assert ctypes.sizeof(ErrorRecord) == 64 and ctypes.sizeof(Table) == 256
+    assert ctypes.sizeof(PutParams) == 592 and ctypes.sizeof(WaitParams) == 144
+    assert ctypes.sizeof(SignalParams) == 88
+    assert math.log2(kTileGroupQuantum).is_integer()
+
+
+_check()

@@ -1,0 +1,123 @@
+"""Whether the p2p fast path serves a group, and a call: pure functions, testable without a GPU.
+
+The mechanism (echo_ds.p2p.buffer.EchoBuffer) gathers the facts (world size, hosts, peer access, the
+probe, whether the kernels built) and these functions decide; when the answer is no, the reason names
+the setting to change and the caller logs it once and uses the reference path (vLLM's custom
+all-reduce keeps its ``should_custom_ar`` apart from the kernels in the same way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from echo_ds.p2p.layout import Capacity, kMaxWorld, make_tiling
+
+SUPPORTED_WORLD_SIZES = (2, 4, 8)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_FIX_BACKEND = 'set "backend": "reference" in the "echo" section of ds_config.json to use the reference path'
+
+
+@dataclass(frozen=True)
+class Decision:
+    """use: whether the fast path runs; reason: one sentence for the log (empty when it runs)."""
+
+    use: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.use
+
+
+YES = Decision(True)
+
+
+@dataclass(frozen=True)
+class GroupFacts:
+    """What the constructor learnt about a tensor-parallel group.
+
+    device_type: of this rank's tensors ("cuda" for the fast path).
+    world_size: ranks in the group.
+    same_host: every rank runs on this host (one boot id).
+    peer_access: every pair of distinct devices in the group can access each other (the driver's answer).
+    kernels_built: the transport kernels compiled and loaded (``kernels_error`` says why not).
+    probe_ok: the write-and-verify probe saw every peer's words and flags (None: not run yet).
+    """
+
+    device_type: str
+    world_size: int
+    same_host: bool
+    peer_access: bool
+    kernels_built: bool
+    kernels_error: str = ""
+    probe_ok: Optional[bool] = None
+    probe_error: str = ""
+
+
+def group_decision(f: GroupFacts) -> Decision:
+    """Whether a group can use the p2p transport at all (decided once, in the constructor)."""
+    if f.device_type != "cuda":
+        return Decision(False, f"the p2p transport needs CUDA tensors and this group is on {f.device_type!r}; "
+                               f"{_FIX_BACKEND}")
+    if f.world_size == 1:
+        return Decision(False, "the group has one rank: there is nothing to reduce")
+    if f.world_size not in SUPPORTED_WORLD_SIZES:
+        return Decision(False, f"the p2p transport supports tensor-parallel sizes {SUPPORTED_WORLD_SIZES}, and "
+                               f"this group has {f.world_size} ranks (set the tensor-parallel size, "
+                               f"\"autotp_size\", to one of them, or {_FIX_BACKEND})")
+    if not f.same_host:
+        return Decision(False, "the group spans several hosts and the p2p transport needs every rank on one host "
+                               f"(NVLink/PCIe peer access); a group across hosts uses the reference path over "
+                               f"NCCL: {_FIX_BACKEND}")
+    if not f.peer_access:
+        return Decision(False, "the driver reports no peer access between some GPUs of the group (check "
+                               "`nvidia-smi topo -m` and CUDA_VISIBLE_DEVICES); " + _FIX_BACKEND)
+    if not f.kernels_built:
+        return Decision(False, f"the p2p transport kernels are not available ({f.kernels_error or 'not built'}); "
+                               f"install the CUDA toolkit's nvcc, or {_FIX_BACKEND}")
+    if f.probe_ok is False:
+        return Decision(False, f"the write-and-verify probe of peer memory failed ({f.probe_error}), although "
+                               f"the driver reports peer access; {_FIX_BACKEND}")
+    return YES
+
+
+def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_size: int, bits: int,
+                  group_size: int, capacity: Capacity, min_message_bytes: int = 0, telemetry: bool = False,
+                  device_matches: bool = True) -> Decision:
+    """Whether one call goes through the p2p transport, given that its group can use it.
+
+    min_message_bytes: the ``"min_message_bytes"`` setting; smaller messages are the caller's business
+        (it sends them uncompressed), so here they only decline the fast path.
+    """
+    if not device_matches:
+        return Decision(False, "the tensor is not on this EchoBuffer's CUDA device (create one EchoBuffer per "
+                               "device and pass tensors of that device)")
+    if dtype not in SUPPORTED_DTYPES:
+        return Decision(False, f"dtype {dtype} is not one of {SUPPORTED_DTYPES}")
+    if world_size > kMaxWorld:
+        return Decision(False, f"world size {world_size} > {kMaxWorld}")
+    if telemetry:
+        return Decision(False, 'the compensator records telemetry, which needs an exact all-reduce beside the '
+                               'compressed one; set "telemetry": false in the "echo" section to use the p2p '
+                               'transport')
+    if numel * element_size < min_message_bytes:
+        return Decision(False, f"{numel * element_size} bytes is below \"min_message_bytes\" = {min_message_bytes}")
+    if numel == 0:
+        return Decision(False, "an empty tensor")
+    tiling = make_tiling(numel, world_size, bits, group_size, 0, capacity)
+    if not tiling.fits():
+        return Decision(False, f"a message of {numel} elements needs {2 * tiling.code_bytes_needed} code bytes and "
+                               f"{2 * tiling.param_bytes_needed} parameter bytes of workspace, and this EchoBuffer "
+                               f"has {capacity.code_bytes} and {capacity.param_bytes} (raise "
+                               f"EchoBuffer(max_numel=...), now {capacity.max_numel})")
+    return YES
+
+
+def p2p_transport_status(device_type: str, world_size: int, *, same_host: bool = True, peer_access: bool = True,
+                         kernels_built: bool = True, kernels_error: str = "") -> tuple:
+    """``(available, why_not)`` in the shape of echo_ds.deepspeed.policy.p2p_transport_status."""
+    d = group_decision(GroupFacts(device_type, world_size, same_host, peer_access, kernels_built, kernels_error))
+    return d.use, d.reason

@@ -1,0 +1,392 @@
+"""The Echo stages of one p2p call, and the schedule that prepares them once per shape.
+
+A schedule holds, for one key (dtype, bits, quantizer, group size, rotation, segment size: appendix
+C's schedule cache), the tiling, the static workspace (so that a CUDA graph captured over a call keeps
+valid addresses, and no tensor crosses streams through the caching allocator), the views of this
+rank's and its peers' slots, and the prepared flag waits and puts of every tile.
+
+Two implementations of the stages behind the same methods (entry, push, reduce, gather, tail, exit,
+update; EchoBuffer runs them on the push, reduce, gather, tail and update streams):
+
+``KernelSchedule``
+    The fused kernels of echo_ds.ops (issue 4). push_quantize writes the codes of a tile straight into
+    its owners' push slots, owner_reduce writes the reduced tile straight into every peer's gather
+    slot; the transport only adds the flags (echo_p2p_signal_kernel) and the waits.
+``TorchSchedule``
+    The very functions of echo_ds.collective, per tile, in the order of echo_ds.reference; the codes are
+    staged locally and moved by echo_p2p_put_kernel, which publishes the flag after the data. The
+    fallback where the kernels are not built or do not support a configuration (group sizes outside
+    64..256), and the CPU tests' stages.
+
+Every step of either is per group or per element, so a tile's bits are the whole tensor's, and both
+reproduce the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+from echo_ds import collective as C
+from echo_ds import quant as Q
+from echo_ds.p2p import layout as L
+from echo_ds.p2p import protocol as proto
+from echo_ds.quant import QuantSpec
+
+
+@dataclass(frozen=True)
+class ScheduleKey:
+    dtype: torch.dtype
+    bits: int
+    policy: str
+    group_size: int
+    rotation: bool
+    segment_numel: int
+
+
+def schedule_key(dtype: torch.dtype, spec: QuantSpec, layout: C.Layout) -> ScheduleKey:
+    return ScheduleKey(dtype, spec.bits, spec.policy, spec.group_size, spec.rotation, layout.segment_numel)
+
+
+class Rotation:
+    """echo_ds.quant's rotate / unrotate with the sign vector kept on the device.
+
+    quant.hadamard_signs copies its CPU tensor to the device at every call, a host-to-device copy that
+    a CUDA graph capture refuses; this holds one copy per schedule and runs the same operations in the
+    same order (the same bits).
+    """
+
+    def __init__(self, spec: QuantSpec, device):
+        self.on = spec.rotation
+        if self.on:
+            self.signs = Q.hadamard_signs(spec.group_size, device)
+            self.norm = Q.hadamard_norm(spec.group_size)
+
+    def rotate(self, seg: torch.Tensor) -> torch.Tensor:
+        if not self.on:
+            return seg
+        groups = seg.reshape(-1, seg.shape[-1])
+        return (Q._fwht(groups * self.signs) * self.norm).view(seg.shape)
+
+    def unrotate(self, seg: torch.Tensor) -> torch.Tensor:
+        if not self.on:
+            return seg
+        groups = seg.reshape(-1, seg.shape[-1])
+        return ((Q._fwht(groups) * self.norm) * self.signs).view(seg.shape)
+
+
+def pow2_factors(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(2^k, 2^-k) as fp32 [1] tensors on amax's device, k = echo_ds.collective.pow2_exponent(amax).
+
+    The same k as the reference's host-side frexp, computed on the device so that the call needs no
+    host synchronisation (and can be captured in a CUDA graph); built from the exponent bits, exact.
+    """
+    a = amax.reshape(1).float()
+    _, e = torch.frexp(a)
+    k = torch.clamp(C.kPow2Target - e, -126, 126)
+    k = torch.where(torch.isfinite(a) & (a != 0), k, torch.zeros_like(k))
+    up = ((k + 127) << 23).view(torch.float32)
+    down = ((127 - k) << 23).view(torch.float32)
+    return up, down
+
+
+class Schedule:
+    """What both stage implementations share: tiling, flags, the pow2 max exchange, slot views."""
+
+    def __init__(self, key: ScheduleKey, spec: QuantSpec, layout: C.Layout, rank: int, world_size: int,
+                 transport, tile_bytes: int, capacity: L.Capacity, device):
+        self.key = key
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.transport = transport
+        self.device = device
+        self.pinned = False  # captured in a CUDA graph: never evicted
+        P, g = world_size, spec.group_size
+        self.tiling = L.make_tiling(layout.numel, P, spec.bits, g, tile_bytes, capacity)
+        assert self.tiling.groups_per_segment == layout.groups_per_segment and self.tiling.fits()
+        self.G = self.tiling.groups_per_segment
+        self.cb = self.tiling.code_bytes_per_group
+        self.others = [j for j in range(P) if j != rank]
+        f32 = dict(dtype=torch.float32, device=device)
+        self.amax = torch.zeros((1,), **f32)  # this rank's max |x'|
+        self.amax_all = torch.zeros((1,), **f32)  # the group's
+        self._prepare_flags()
+        self.stream = {}  # name -> torch stream (None on the host transport), set by EchoBuffer
+
+    # -- slots ----------------------------------------------------------------------------------------
+
+    def slot_views(self, owner_rank: int, slot: int):
+        """(codes [G, cb] uint8, scales [G] fp16, zeros [G] fp16): slot ``slot`` in ``owner_rank``'s buffers."""
+        t, views = self.tiling, self.transport.peer[owner_rank]
+        codes = views["codes"][t.code_offset(slot):t.code_offset(slot) + self.G * self.cb].view(self.G, self.cb)
+        scales = views["params"][t.scale_offset(slot):t.scale_offset(slot) + 2 * self.G].view(torch.float16)
+        zeros = views["params"][t.zero_offset(slot):t.zero_offset(slot) + 2 * self.G].view(torch.float16)
+        return codes, scales, zeros
+
+    def _prepare_flags(self) -> None:
+        t, tr, me = self.tiling, self.transport, self.rank
+        self.push_flags = [[(j, L.signal_offset("push", me, tile)) for j in self.others] for tile in range(t.num_tiles)]
+        self.gather_flags = [[(j, L.signal_offset("gather", me, tile)) for j in self.others]
+                             for tile in range(t.num_tiles)]
+        self.push_signals = [tr.prepare_signal(f, proto.kStagePush) for f in self.push_flags]
+        self.gather_signals = [tr.prepare_signal(f, proto.kStageGather) for f in self.gather_flags]
+        self.reduce_waits = [tr.prepare_wait([(s, L.signal_offset("push", s, tile)) for s in self.others],
+                                             proto.kStagePush, proto.kWaitReduce, tile) for tile in range(t.num_tiles)]
+        self.tail_waits = [tr.prepare_wait([(o, L.signal_offset("gather", o, tile)) for o in self.others],
+                                           proto.kStageGather, proto.kWaitTail, tile) for tile in range(t.num_tiles)]
+        self.amax_put = tr.prepare_put(
+            [(self.amax, 0, 4, j, "signals", L.signal_offset("amax", me)) for j in self.others],
+            [(j, L.signal_offset("amax_flag", me)) for j in self.others], proto.kStagePush, L.kLaneAmax)
+        self.amax_wait = tr.prepare_wait([(s, L.signal_offset("amax_flag", s)) for s in self.others],
+                                         proto.kStagePush, proto.kWaitAmax, 0)
+        off = L.signal_offset("amax", 0)
+        self.peer_amax = tr.signals[off:off + 4 * self.world_size].view(torch.float32)
+
+    def exchange_amax(self) -> None:
+        """self.amax_all = max over the group of every rank's self.amax (P - 1 puts, one wait)."""
+        self.transport.put(self.amax_put, self.stream.get("push"))
+        self.transport.wait(self.amax_wait, self.stream.get("push"))
+        everyone = self.peer_amax.clone()
+        everyone[self.rank] = self.amax[0]
+        torch.amax(everyone, dim=0, keepdim=True, out=self.amax_all)
+
+    def wait_push(self, tile: int) -> None:
+        self.transport.wait(self.reduce_waits[tile], self.stream.get("reduce"))
+
+    def wait_gather(self, tile: int) -> None:
+        self.transport.wait(self.tail_waits[tile], self.stream.get("tail"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stages through the fused kernels of echo_ds.ops
+# ----------------------------------------------------------------------------------------------------
+
+class KernelSchedule(Schedule):
+    """Stages through echo_ds.ops: codes go straight into the peers' slots; flags follow."""
+
+    kind = "kernels"
+
+    def __init__(self, *args, ops, **kw):
+        super().__init__(*args, **kw)
+        self.ops = ops
+        P, G, g, me = self.world_size, self.G, self.spec.group_size, self.rank
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.own = torch.empty((G * g,), **f32)  # rs of the owned segment
+        self.residual = None  # u of residual "local" [padded], allocated at the first such call
+        local = (torch.empty((G, self.cb), dtype=torch.uint8, device=self.device),
+                 torch.empty((G,), dtype=torch.float16, device=self.device),
+                 torch.empty((G,), dtype=torch.float16, device=self.device))
+        t = self.tiling
+        # Push: segment j goes to owner j's push slot for me. Reduce in: my push slot of each sender.
+        # Reduce out: every peer's gather slot for me, and my own copy. Gathered: my gather slot of each
+        # owner, and my own copy.
+        self.push_out = ops.SegmentTable.of([None if j == me else self.slot_views(j, t.push_slot(me))
+                                             for j in range(P)])
+        self.reduce_in = ops.SegmentTable.of([None if r == me else self.slot_views(me, t.push_slot(r))
+                                              for r in range(P)])
+        self.reduce_out = ops.SegmentTable.of([local if d == me else self.slot_views(d, t.gather_slot(me))
+                                               for d in range(P)])
+        self.gathered = ops.SegmentTable.of([local if o == me else self.slot_views(me, t.gather_slot(o))
+                                             for o in range(P)])
+        self.tail_ranges = [(a, b - a) for a, b in ((0, me), (me + 1, P)) if b > a]
+
+    def begin(self, x, y, compensator, pow2: bool) -> None:
+        self.x, self.y, self.comp, self.pow2 = x, y, compensator, pow2
+        self.local_residual = compensator is not None and compensator.residual == "local"
+        if self.local_residual and self.residual is None:  # on the caller's stream, kept with the schedule
+            self.residual = torch.empty((self.world_size * self.G * self.spec.group_size,), dtype=torch.float32,
+                                        device=self.device)
+
+    def _state(self):
+        c = self.comp
+        return dict(m1=c.m1, m2=c.m2, coeffs=c) if c is not None else {}
+
+    def entry(self) -> None:
+        if self.pow2:
+            self.ops.pow2_amax(self.x, self.amax, world_size=self.world_size, spec=self.spec, **self._state())
+            self.exchange_amax()
+
+    def push(self, tile: int) -> None:
+        g0, g1 = self.tiling.tile(tile)
+        self.ops.push_quantize(self.x, rank=self.rank, world_size=self.world_size, spec=self.spec,
+                               out=self.push_out, own_out=self.own,
+                               residual_out=self.residual if self.local_residual else None,
+                               pow2_amax=self.amax_all if self.pow2 else None, group_begin=g0,
+                               num_groups=g1 - g0, **self._state())
+        self.transport.signal(self.push_signals[tile], self.stream.get("push"))
+
+    def reduce(self, tile: int) -> None:
+        g0, g1 = self.tiling.tile(tile)
+        self.wait_push(tile)
+        S = self.G * self.spec.group_size
+        self.ops.owner_reduce(self.own, numel=self.x.numel(), rank=self.rank, world_size=self.world_size,
+                              spec=self.spec, copies=self.reduce_in, out=self.reduce_out,
+                              residual_out=self.residual[self.rank * S:] if self.local_residual else None,
+                              pow2_amax=self.amax_all if self.pow2 else None, group_begin=g0, num_groups=g1 - g0)
+        self.transport.signal(self.gather_signals[tile], self.stream.get("reduce"))
+
+    def gather(self, tile: int) -> None:
+        g0, g1 = self.tiling.tile(tile)
+        self.ops.dequantize(self.y, world_size=self.world_size, spec=self.spec, gathered=self.gathered,
+                            pow2_amax=self.amax_all if self.pow2 else None, segment_begin=self.rank,
+                            num_segments=1, group_begin=g0, num_groups=g1 - g0)
+
+    def tail(self, tile: int) -> None:
+        g0, g1 = self.tiling.tile(tile)
+        self.wait_gather(tile)
+        for first, count in self.tail_ranges:
+            self.ops.dequantize(self.y, world_size=self.world_size, spec=self.spec, gathered=self.gathered,
+                                pow2_amax=self.amax_all if self.pow2 else None, segment_begin=first,
+                                num_segments=count, group_begin=g0, num_groups=g1 - g0)
+
+    def exit(self) -> None:
+        pass  # dequantize wrote y
+
+    def update(self) -> None:
+        c = self.comp
+        if self.local_residual:
+            self.ops.compensator_update_local(self.residual, c.m1, c.m2, coeffs=c)
+        else:
+            self.ops.compensator_update_output(self.x, c.m1, c.m2, world_size=self.world_size, spec=self.spec,
+                                               gathered=self.gathered, coeffs=c,
+                                               pow2_amax=self.amax_all if self.pow2 else None)
+        c.num_calls += 1  # as Compensator.update does
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stages through torch (echo_ds.collective's functions, per tile)
+# ----------------------------------------------------------------------------------------------------
+
+class TorchSchedule(Schedule):
+    """Stages through torch ops on the stage streams; codes staged locally and put by the transport."""
+
+    kind = "torch"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        P, G, g, cb, dev = self.world_size, self.G, self.spec.group_size, self.cb, self.device
+        self.rotation = Rotation(self.spec, dev)
+        self.others_index = torch.tensor(self.others, device=dev, dtype=torch.long)
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.r = torch.empty((P, G, g), **f32)  # x' = rotate(x) + c
+        self.rs = torch.empty((P, G, g), **f32)  # x' * 2^k
+        self.sent_codes = torch.empty((P - 1, G, cb), dtype=torch.uint8, device=dev)
+        self.sent_scale = torch.empty((P - 1, G), dtype=torch.float16, device=dev)
+        self.sent_zero = torch.empty((P - 1, G), dtype=torch.float16, device=dev)
+        self.acc = torch.empty((G, g), **f32)
+        self.red_codes = torch.empty((G, cb), dtype=torch.uint8, device=dev)
+        self.red_scale = torch.empty((G,), dtype=torch.float16, device=dev)
+        self.red_zero = torch.empty((G,), dtype=torch.float16, device=dev)
+        self.s_hat_scaled = torch.empty((P, G, g), **f32)
+        self.s_hat = torch.empty((P, G, g), **f32)
+        self.up = torch.ones((1,), **f32)
+        self.down = torch.ones((1,), **f32)
+        self._prepare_puts()
+
+    def _prepare_puts(self) -> None:
+        t, me, cb, tr = self.tiling, self.rank, self.cb, self.transport
+        self.push_puts, self.gather_puts, self.push_recv, self.gather_recv = [], [], [], []
+        mine = {slot: self.slot_views(me, slot) for slot in range(2 * self.world_size)}
+        for tile in range(t.num_tiles):
+            g0, g1 = t.tile(tile)
+            n = g1 - g0
+            push, gather = [], []
+            for i, j in enumerate(self.others):
+                push += [(self.sent_codes[i], g0 * cb, n * cb, j, "codes", t.code_offset(t.push_slot(me), g0)),
+                         (self.sent_scale[i], 2 * g0, 2 * n, j, "params", t.scale_offset(t.push_slot(me), g0)),
+                         (self.sent_zero[i], 2 * g0, 2 * n, j, "params", t.zero_offset(t.push_slot(me), g0))]
+                gather += [(self.red_codes, g0 * cb, n * cb, j, "codes", t.code_offset(t.gather_slot(me), g0)),
+                           (self.red_scale, 2 * g0, 2 * n, j, "params", t.scale_offset(t.gather_slot(me), g0)),
+                           (self.red_zero, 2 * g0, 2 * n, j, "params", t.zero_offset(t.gather_slot(me), g0))]
+            self.push_puts.append(tr.prepare_put(push, self.push_flags[tile], proto.kStagePush, L.kLanePush))
+            self.gather_puts.append(tr.prepare_put(gather, self.gather_flags[tile], proto.kStageGather,
+                                                   L.kLaneGather))
+            self.push_recv.append({s: tuple(v[g0:g1] for v in mine[t.push_slot(s)]) for s in self.others})
+            self.gather_recv.append({o: tuple(v[g0:g1] for v in mine[t.gather_slot(o)]) for o in self.others})
+
+    def begin(self, x, y, compensator, pow2: bool) -> None:
+        self.x, self.y, self.comp, self.pow2 = x, y, compensator, pow2
+        self.layout = C.Layout(x.numel(), self.world_size, self.spec.group_size)
+
+    def entry(self) -> None:
+        """x' = rotate(x) + c, the pow2 max exchange and scaling, and the codes of the segments this rank
+        sends (into its staging; the push puts move them)."""
+        r = self.rotation.rotate(C.to_segments(self.x.reshape(1, -1), self.layout))[0]
+        if self.comp is not None:
+            r = r + self.comp.correction(r.shape, r.device)
+        self.r.copy_(r)
+        if self.pow2:
+            torch.amax(self.r.abs().reshape(-1), dim=0, keepdim=True, out=self.amax)
+            self.exchange_amax()
+            up, down = pow2_factors(self.amax_all)
+            self.up.copy_(up)
+            self.down.copy_(down)
+            torch.mul(self.r, self.up, out=self.rs)
+        else:
+            self.rs.copy_(self.r)
+        codes, scale, zero = C.quantize_segments(self.rs[self.others_index], self.spec)
+        self.sent_codes.copy_(codes)
+        self.sent_scale.copy_(scale)
+        self.sent_zero.copy_(zero)
+
+    def push(self, tile: int) -> None:
+        self.transport.put(self.push_puts[tile], self.stream.get("push"))
+
+    def reduce(self, tile: int) -> None:
+        """The owner's fp32 sum of tile ``tile`` in rank order (its own copy unquantized), requantized once."""
+        self.wait_push(tile)
+        g0, g1 = self.tiling.tile(tile)
+        terms = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                terms.append(self.rs[self.rank, g0:g1])
+            else:
+                terms.append(C.dequantize_segments(*self.push_recv[tile][r], self.spec))
+        acc = terms[0].clone()
+        for term in terms[1:]:
+            acc = acc + term
+        self.acc[g0:g1].copy_(acc)
+        codes, scale, zero = C.quantize_segments(acc[None], self.spec)
+        self.red_codes[g0:g1].copy_(codes[0])
+        self.red_scale[g0:g1].copy_(scale[0])
+        self.red_zero[g0:g1].copy_(zero[0])
+
+    def gather(self, tile: int) -> None:
+        """Put the reduced tile to every peer; decode it for this rank's own portion of the output."""
+        self.transport.put(self.gather_puts[tile], self.stream.get("gather"))
+        g0, g1 = self.tiling.tile(tile)
+        self.s_hat_scaled[self.rank, g0:g1].copy_(
+            C.dequantize_segments(self.red_codes[g0:g1], self.red_scale[g0:g1], self.red_zero[g0:g1], self.spec))
+
+    def tail(self, tile: int) -> None:
+        self.wait_gather(tile)
+        g0, g1 = self.tiling.tile(tile)
+        for o in self.others:
+            self.s_hat_scaled[o, g0:g1].copy_(C.dequantize_segments(*self.gather_recv[tile][o], self.spec))
+
+    def exit(self) -> None:
+        """y = unrotate(s_hat) in the caller's dtype and shape, s_hat = s_hat_scaled * 2^-k."""
+        if self.pow2:
+            torch.mul(self.s_hat_scaled, self.down, out=self.s_hat)
+            s_hat = self.s_hat
+        else:
+            s_hat = self.s_hat_scaled
+        y = self.y
+        y.copy_(C.from_segments(self.rotation.unrotate(s_hat), self.layout, y.shape, y.dtype))
+
+    def update(self) -> None:
+        """The compensator's averages from this call's residual (echo_ds.reference's two residuals)."""
+        comp = self.comp
+        s_hat = self.s_hat if self.pow2 else self.s_hat_scaled
+        if comp.residual == "output":
+            u = self.r - s_hat / self.world_size
+        else:
+            err = torch.empty_like(self.rs)
+            err[self.others_index] = (C.dequantize_segments(self.sent_codes, self.sent_scale, self.sent_zero,
+                                                            self.spec) - self.rs[self.others_index])
+            err[self.rank] = self.s_hat_scaled[self.rank] - self.acc
+            u = -(err * self.down) if self.pow2 else -err
+        comp.update(u)

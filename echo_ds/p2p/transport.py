@@ -1,0 +1,429 @@
+"""The mechanism under EchoBuffer: peer memory, puts that publish a flag, waits that time out.
+
+Two implementations of one small interface:
+
+``CudaTransport``
+    The real one. Allocates this rank's code buffer, parameter buffer and signal array with cuMemAlloc,
+    exports them (cuMemGetAddressRange + cuIpcGetMemHandle), exchanges the handles over the process
+    group (``all_gather_object``), opens the peers' (cuIpcOpenMemHandle) and launches the kernels of
+    csrc/p2p through the driver API on the stages' streams.
+``HostTransport``
+    The same protocol over shared memory files between processes of one host, with the CPU doing the
+    copies and the polling. It exists so that the pipeline above (tiling, offsets, the Echo stages,
+    flag values) is tested bit for bit against the reference on a machine without a GPU; it is not a
+    production path.
+
+Interface (``copies`` are ``(src, src_byte_offset, num_bytes, peer, region, dst_byte_offset)`` with
+``src`` a contiguous tensor this rank keeps alive, ``region`` one of "codes", "params", "signals";
+``flags`` are ``(peer, byte offset in the peer's EchoP2PSignals)``)::
+
+    prepare_put(copies, flags, stage_offset, lane) -> handle;   put(handle, stream)
+    prepare_signal(flags, stage_offset, value=None) -> handle;  signal(handle, stream)
+    prepare_wait(flags, stage_offset, stage, tile) -> handle;   wait(handle, stream)
+    begin_call(stream);  failure() -> WaitFailure | None;  abort();  close()
+    codes, params, signals: this rank's own buffers as uint8 tensors
+    peer[j][region]: every rank's buffers as uint8 tensors on this device (peers' through the mapping)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+import uuid
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from echo_ds.p2p import layout as L
+from echo_ds.p2p import protocol as proto
+from echo_ds.p2p.rawview import raw_uint8_tensor
+
+Copy = Tuple[torch.Tensor, int, int, int, str, int]
+Flag = Tuple[int, int]
+
+# Put launches: bytes per block and threads per block. 512 threads x 16-byte vectors keep 8 KiB in
+# flight per block; one block per 256 KiB of a tile keeps a 1 MiB tile on 4 blocks per peer and a
+# whole segment's put well under the 132 SMs (placeholder until the multi-GPU measurement, issue 8).
+kPutThreads = 512
+kPutBytesPerBlock = 256 * 1024
+kPutMaxBlocks = 128
+kWaitThreads = 32
+
+
+def _tensor_ptr(t: torch.Tensor, byte_offset: int) -> int:
+    return t.data_ptr() + byte_offset
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA
+# ----------------------------------------------------------------------------------------------------
+
+class CudaTransport:
+    """Peer memory over CUDA IPC and the csrc/p2p kernels. Built by EchoBuffer; see its docstring."""
+
+    kind = "cuda"
+
+    def __init__(self, group, rank: int, world_size: int, device: torch.device, capacity: L.Capacity,
+                 timeout_s: float, module):
+        from echo_ds.p2p import driver as D
+
+        self.D = D
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.module = module
+        self._k_begin = module.function("echo_p2p_begin_call_kernel")
+        self._k_put = module.function("echo_p2p_put_kernel")
+        self._k_signal = module.function("echo_p2p_signal_kernel")
+        self._k_wait = module.function("echo_p2p_wait_kernel")
+        self._own: List[int] = []  # device allocations to free
+        self._opened: List[int] = []  # peers' mappings to close
+        self._host_record: Optional[int] = None
+        self.closed = False
+        self.error = ""  # why this rank cannot take part (the handshake's verdict carries it)
+        self.peer = []
+
+        # Phase 1 (local): allocate and export. A failure is carried into the exchange instead of raised,
+        # so that every rank still makes the same collective calls and all fall back together.
+        sizes = {"codes": capacity.code_bytes, "params": capacity.param_bytes, "signals": ctypes.sizeof(L.Signals)}
+        self.local_ptr = {}
+        mine = None
+        try:
+            for region, n in sizes.items():
+                ptr = D.mem_alloc(n)
+                self._own.append(ptr)
+                self.local_ptr[region] = ptr
+            D.memset_u8(self.local_ptr["signals"], 0, sizes["signals"])
+            self.control_ptr = D.mem_alloc(ctypes.sizeof(L.Control))
+            self._own.append(self.control_ptr)
+            D.memset_u8(self.control_ptr, 0, ctypes.sizeof(L.Control))
+            self._host_record, self.error_dev_ptr = D.host_alloc_mapped(ctypes.sizeof(L.ErrorRecord))
+            self.record = L.ErrorRecord.from_address(self._host_record)
+            D.ctx_synchronize()
+            mine = {region: D.export_ipc(ptr) for region, ptr in self.local_ptr.items()}
+        except Exception as e:  # noqa: BLE001
+            self.error = f"rank {rank}: allocating or exporting the workspace failed: {type(e).__name__}: {e}"
+
+        # Phase 2 (collective): exchange (region -> (handle, offset)) of every rank.
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, mine, group=group)
+        if any(e is None for e in everyone):
+            self.error = self.error or f"rank {everyone.index(None)} could not export its workspace"
+            return
+
+        # Phase 3 (local): map the peers' memory.
+        self.peer_ptr = [dict() for _ in range(world_size)]
+        try:
+            for j in range(world_size):
+                for region in sizes:
+                    if j == rank:
+                        self.peer_ptr[j][region] = self.local_ptr[region]
+                        continue
+                    handle, offset = everyone[j][region]
+                    base = D.open_ipc(handle)
+                    self._opened.append(base)
+                    self.peer_ptr[j][region] = base + offset
+        except Exception as e:  # noqa: BLE001
+            self.error = f"rank {rank}: opening rank {j}'s {region} buffer failed: {type(e).__name__}: {e}"
+            return
+
+        # The fixed table of 3P + 1 addresses, also on the device for kernels that index it by rank.
+        self.table = L.Table()
+        for j in range(world_size):
+            self.table.codes[j] = self.peer_ptr[j]["codes"]
+            self.table.params[j] = self.peer_ptr[j]["params"]
+            self.table.signals[j] = self.peer_ptr[j]["signals"]
+        self.table.flag_base = self.control_ptr
+        self.table_dev_ptr = D.mem_alloc(ctypes.sizeof(L.Table))
+        self._own.append(self.table_dev_ptr)
+        D.memcpy_htod(self.table_dev_ptr, ctypes.addressof(self.table), ctypes.sizeof(L.Table))
+
+        # Every rank's three regions as uint8 tensors on this device (peers' through their IPC mappings),
+        # for kernels that take tensors (echo_ds.ops writes its codes straight into a peer's slot).
+        self.peer = [{region: raw_uint8_tensor(self.peer_ptr[j][region], n, device) for region, n in sizes.items()}
+                     for j in range(world_size)]
+        self.codes = self.peer[rank]["codes"]
+        self.params = self.peer[rank]["params"]
+        self.signals = self.peer[rank]["signals"]
+
+    def table_entries(self) -> List[int]:
+        P = self.world_size
+        return ([self.table.codes[j] for j in range(P)] + [self.table.params[j] for j in range(P)]
+                + [self.table.signals[j] for j in range(P)] + [self.table.flag_base])
+
+    # -- launches -----------------------------------------------------------------------------------
+
+    def prepare_put(self, copies: Sequence[Copy], flags: Sequence[Flag], stage_offset: int, lane: int):
+        if len(copies) > L.kMaxCopies or len(flags) > L.kMaxFlags:
+            raise ValueError(f"a put carries at most {L.kMaxCopies} copies and {L.kMaxFlags} flags")
+        p = L.PutParams()
+        total = 0
+        for i, (src, src_off, n, peer, region, dst_off) in enumerate(copies):
+            p.src[i] = _tensor_ptr(src, src_off)
+            p.dst[i] = self.peer_ptr[peer][region] + dst_off
+            p.num_bytes[i] = n
+            total += n
+        for i, (peer, off) in enumerate(flags):
+            p.flag[i] = self.peer_ptr[peer]["signals"] + off
+        p.control = self.control_ptr
+        p.local_progress = self.local_ptr["signals"] + L.signal_offset("progress")
+        p.num_copies = len(copies)
+        p.num_flags = len(flags)
+        p.stage_offset = stage_offset
+        p.lane = lane
+        blocks = max(1, min(kPutMaxBlocks, -(-total // kPutBytesPerBlock)))
+        return (p, blocks)
+
+    def put(self, handle, stream) -> None:
+        p, blocks = handle
+        self._k_put.launch(blocks, kPutThreads, stream.cuda_stream, p)
+
+    def prepare_wait(self, flags: Sequence[Flag], stage_offset: int, stage: int, tile: int, value=None):
+        p = L.WaitParams()
+        for i, (peer, off) in enumerate(flags):
+            p.flag[i] = self.local_ptr["signals"] + off
+            p.peer[i] = peer
+        p.control = self.control_ptr
+        p.error = self.error_dev_ptr
+        p.timeout_ns = self.timeout_ns
+        p.num_flags = len(flags)
+        p.stage_offset = stage_offset
+        p.use_base = 0 if value is not None else 1
+        p.value = 0 if value is None else value
+        p.rank = self.rank
+        p.stage = stage
+        p.tile = tile
+        return p
+
+    def wait(self, handle, stream) -> None:
+        self._k_wait.launch(1, kWaitThreads, stream.cuda_stream, handle)
+
+    def prepare_signal(self, flags: Sequence[Flag], stage_offset: int, value=None):
+        """Flags written with no data (the data went to the peers in an earlier kernel of the stream):
+        value = control->base + stage_offset, or ``value`` itself."""
+        p = L.SignalParams()
+        for i, (peer, off) in enumerate(flags):
+            p.flag[i] = self.peer_ptr[peer]["signals"] + off
+        p.control = self.control_ptr
+        p.local_progress = self.local_ptr["signals"] + L.signal_offset("progress")
+        p.num_flags = len(flags)
+        p.stage_offset = stage_offset
+        p.use_base = 0 if value is not None else 1
+        p.value = 0 if value is None else value
+        return p
+
+    def signal(self, handle, stream) -> None:
+        self._k_signal.launch(1, kWaitThreads, stream.cuda_stream, handle)
+
+    def begin_call(self, stream) -> None:
+        p = L.SignalParams()
+        p.control = self.control_ptr
+        self._k_begin.launch(1, 1, stream.cuda_stream, p)
+
+    # -- state --------------------------------------------------------------------------------------
+
+    def failure(self) -> Optional[proto.WaitFailure]:
+        if self.closed or self._host_record is None:
+            return None
+        r = self.record
+        if r.code == proto.kErrorNone:
+            return None
+        return proto.WaitFailure(r.code, r.rank, r.peer, r.stage, r.tile, r.call_index, r.expected, r.seen,
+                                 r.waited_ns)
+
+    def clear_failure(self) -> None:
+        """Forget a failure (the constructor's probe only): record and poison back to zero."""
+        ctypes.memset(ctypes.addressof(self.record), 0, ctypes.sizeof(L.ErrorRecord))
+        self.D.memset_u8(self.control_ptr + L.Control.poisoned.offset, 0, 4)
+        self.D.ctx_synchronize()
+
+    def read_control(self) -> L.Control:
+        c = L.Control()
+        self.D.memcpy_dtoh(ctypes.addressof(c), self.control_ptr, ctypes.sizeof(L.Control))
+        return c
+
+    def read_signals(self) -> L.Signals:
+        s = L.Signals()
+        self.D.memcpy_dtoh(ctypes.addressof(s), self.local_ptr["signals"], ctypes.sizeof(L.Signals))
+        return s
+
+    def abort(self) -> None:
+        """Every wait, running or to come, gives up at once (the host writes the mapped abort word)."""
+        if self._host_record is not None and not self.closed:
+            self.record.abort_request = 1
+
+    def close_peers(self) -> None:
+        """Unmap the peers' memory (before they free it: see EchoBuffer.close)."""
+        errors = []
+        for ptr in self._opened:
+            try:
+                self.D.close_ipc(ptr)
+            except Exception as e:  # noqa: BLE001 - unmap the rest regardless
+                errors.append(str(e))
+        self._opened = []
+        self.peer_ptr = [dict() for _ in range(self.world_size)]
+        self.peer = []
+        if errors:
+            raise proto.EchoP2PError("echo p2p: unmapping peers: " + "; ".join(errors))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        D = self.D
+        self.codes = self.params = self.signals = None
+        errors = []
+        try:
+            self.close_peers()
+        except proto.EchoP2PError as e:
+            errors.append(str(e))
+        for ptr in self._own:
+            try:
+                D.mem_free(ptr)
+            except Exception as e:  # noqa: BLE001
+                errors.append(str(e))
+        if self._host_record is not None:
+            try:
+                D.host_free(self._host_record)
+            except Exception as e:  # noqa: BLE001
+                errors.append(str(e))
+            self._host_record = None
+        self._opened, self._own = [], []
+        if errors:
+            raise proto.EchoP2PError("echo p2p: close: " + "; ".join(errors))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host (tests on a CPU)
+# ----------------------------------------------------------------------------------------------------
+
+class _HostControl:
+    def __init__(self):
+        self.base = 0
+        self.call_index = 0
+        self.poisoned = False
+
+
+class HostTransport:
+    """The p2p protocol between processes of one host through shared memory files (CPU tensors)."""
+
+    kind = "host"
+
+    def __init__(self, group, rank: int, world_size: int, capacity: L.Capacity, timeout_s: float):
+        self.error = ""
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.control = _HostControl()
+        self._failure: Optional[proto.WaitFailure] = None
+        self._aborted = False
+        self.closed = False
+        sizes = {"codes": capacity.code_bytes, "params": capacity.param_bytes, "signals": ctypes.sizeof(L.Signals)}
+        token = [uuid.uuid4().hex if rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                   group=group)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+        self._paths = {region: os.path.join(shm, f"echo_p2p_{token[0]}_{rank}_{region}") for region in sizes}
+        for region, n in sizes.items():
+            with open(self._paths[region], "wb") as f:
+                f.truncate(n)
+        dist.barrier(group=group)
+        self.peer = []
+        for j in range(world_size):
+            views = {}
+            for region, n in sizes.items():
+                path = os.path.join(shm, f"echo_p2p_{token[0]}_{j}_{region}")
+                views[region] = torch.from_file(path, shared=True, size=n, dtype=torch.uint8)
+            self.peer.append(views)
+        dist.barrier(group=group)
+        for path in self._paths.values():  # the mappings stay; the names go
+            os.unlink(path)
+        self.codes = self.peer[rank]["codes"]
+        self.params = self.peer[rank]["params"]
+        self.signals = self.peer[rank]["signals"]
+        self._words = [v["signals"].view(torch.int32) for v in self.peer]
+
+    def table_entries(self) -> List[int]:
+        P = self.world_size
+        return ([self.peer[j]["codes"].data_ptr() for j in range(P)]
+                + [self.peer[j]["params"].data_ptr() for j in range(P)]
+                + [self.peer[j]["signals"].data_ptr() for j in range(P)] + [id(self.control)])
+
+    @staticmethod
+    def _u32(v: int) -> int:
+        v &= proto.kFlagMask
+        return v - (1 << 32) if v >= (1 << 31) else v  # stored in an int32 word
+
+    def prepare_put(self, copies, flags, stage_offset, lane):
+        return (list(copies), list(flags), stage_offset)
+
+    def put(self, handle, stream=None) -> None:
+        copies, flags, stage_offset = handle
+        for src, src_off, n, peer, region, dst_off in copies:
+            src_bytes = src.reshape(-1).view(torch.uint8)
+            self.peer[peer][region][dst_off:dst_off + n].copy_(src_bytes[src_off:src_off + n])
+        value = self._u32(self.control.base + stage_offset)
+        for peer, off in flags:
+            self._words[peer][off // 4] = value
+
+    def prepare_wait(self, flags, stage_offset, stage, tile, value=None):
+        return (list(flags), stage_offset, stage, tile, value)
+
+    def wait(self, handle, stream=None) -> None:
+        flags, stage_offset, stage, tile, value = handle
+        expected = (self.control.base + stage_offset) if value is None else value
+        expected &= proto.kFlagMask
+        mine = self._words[self.rank]
+        start = time.monotonic()
+        for peer, off in flags:
+            polls = 0
+            while True:
+                seen = int(mine[off // 4]) & proto.kFlagMask
+                if proto.released(seen, expected):
+                    break
+                polls += 1
+                if self.control.poisoned or self._aborted or time.monotonic() - start > self.timeout_s:
+                    if not self.control.poisoned:
+                        self.control.poisoned = True
+                        code = proto.kErrorAborted if self._aborted else proto.kErrorTimeout
+                        self._failure = proto.WaitFailure(code, self.rank, peer, stage, tile,
+                                                          self.control.call_index, expected, seen,
+                                                          int((time.monotonic() - start) * 1e9))
+                    return
+                time.sleep(0 if polls < 100 else 1e-4)
+
+    def prepare_signal(self, flags, stage_offset, value=None):
+        return (list(flags), stage_offset, value)
+
+    def signal(self, handle, stream=None) -> None:
+        flags, stage_offset, value = handle
+        v = self._u32(self.control.base + stage_offset if value is None else value)
+        for peer, off in flags:
+            self._words[peer][off // 4] = v
+
+    def begin_call(self, stream=None) -> None:
+        self.control.call_index = (self.control.call_index + 1) & proto.kFlagMask
+        self.control.base = proto.flag_base(self.control.call_index)
+
+    def failure(self):
+        return self._failure
+
+    def clear_failure(self) -> None:
+        self._failure = None
+        self.control.poisoned = False
+
+    def abort(self) -> None:
+        self._aborted = True
+
+    def close_peers(self) -> None:
+        self.peer = [p if j == self.rank else {} for j, p in enumerate(self.peer)]
+
+    def close(self) -> None:
+        self.closed = True
+        self.peer = []
+        self._words = []
+        self.codes = self.params = self.signals = None

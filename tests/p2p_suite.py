@@ -1,0 +1,329 @@
+"""The checks of the p2p backend, one body for both transports.
+
+``suite(rank, world_size, cfg)`` runs inside every rank of a gloo group (tests/utils.run_distributed):
+on a GPU with the CUDA transport (tests/test_p2p_gpu.py, several ranks may share one GPU) and on a CPU
+with the host transport (tests/test_p2p_host.py, small sizes), so that the checks themselves are
+exercised where no GPU is. Every comparison is exact, across ranks and against the specification
+computed on the same device: the emulator (echo_ds.emulate, equal to the reference bit for bit on one
+device: tests/test_reference.py) with the inputs of all ranks, and on a CPU also the reference itself
+over gloo. On a GPU the reference over gloo runs on the CPU, and PyTorch's CPU and CUDA kernels do not
+round ``tensor / python_scalar`` alike (docs/kernels.md: the CUDA kernel multiplies by the reciprocal),
+so there the CPU reference is compared and its differences are counted and reported, not asserted
+(``cfg["cpu_reference"] = "report"``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from echo_ds.compensator import make_compensator
+from echo_ds.config import DirectionConfig
+from echo_ds.emulate import emulated_echo_all_reduce
+from echo_ds.quant import POLICIES, QuantSpec
+from echo_ds.reference import echo_all_reduce
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def log(rank, msg):
+    if rank == 0:
+        print(f"P2P: {msg}", flush=True)
+        path = os.environ.get("ECHO_P2P_LOG")
+        if path:
+            with open(path, "a") as f:
+                f.write(msg + "\n")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact equality, NaN where the other is NaN (payloads of NaN may differ between devices)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.reshape(-1), b.reshape(-1).to(a.device)
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return False
+    iv = _INT_VIEW[a.dtype]
+    return torch.equal(torch.where(nan_a, torch.zeros_like(a), a).view(iv),
+                       torch.where(nan_b, torch.zeros_like(b), b).view(iv))
+
+
+def digest(y: torch.Tensor) -> int:
+    """A position-weighted sum of the bits: equal digests on every rank for equal tensors."""
+    v = y.reshape(-1).contiguous()
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v).view(_INT_VIEW[y.dtype]).to(torch.int64)
+    w = torch.arange(v.numel(), device=v.device, dtype=torch.int64) % 1000003 + 1
+    return int((v * w).sum()) ^ int(torch.isnan(y).sum())
+
+
+def all_same(obj) -> bool:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return all(e == everyone[0] for e in everyone)
+
+
+def spec_on_device(parts, spec, comp=None, pow2=False):
+    """The emulator's result (the reference's bits on this device) for every rank's ``parts`` [P, n]."""
+    return emulated_echo_all_reduce(parts, spec, comp, pow2)
+
+
+class CpuReference:
+    """The reference over gloo on CPU copies: asserted equal (CPU runs) or its differences counted."""
+
+    def __init__(self, mode):
+        self.mode = mode  # "assert" | "report"
+        self.num_calls = self.num_differ = self.num_elements_differ = 0
+
+    def check(self, y, x, spec, comp=None, pow2=False, what=""):
+        ref = echo_all_reduce(x.cpu(), spec, compensator=comp, pow2_rescale=pow2)
+        self.num_calls += 1
+        if same_bits(y.cpu(), ref):
+            return ref
+        assert self.mode == "report", f"{what}: differs from the reference over gloo"
+        self.num_differ += 1
+        yc, rc = y.cpu().float().reshape(-1), ref.float().reshape(-1)
+        self.num_elements_differ += int(((yc != rc) & ~(torch.isnan(yc) & torch.isnan(rc))).sum())
+        return ref
+
+    def summary(self):
+        return (f"CPU reference over gloo: {self.num_calls} calls compared, {self.num_differ} differ "
+                f"({self.num_elements_differ} elements)")
+
+
+def parts_for(P, n, dtype, seed, device, scale=1.0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(P, n, generator=g, device=device) * scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def check_options(buf, rank, P, device, n, cpu_ref, stride=1):
+    """Every dtype x bit width x quantizer x rotation (and group sizes), against the emulator on this
+    device and the CPU reference (every ``stride``-th combination)."""
+    num = 0
+    for i, (dtype, bits, policy, rot) in enumerate(
+            (d, b, p, r) for d in DTYPES for b in (4, 8) for p in POLICIES for r in (False, True)):
+        if i % stride:
+            continue
+        spec = QuantSpec(bits, (64, 128, 256, 16)[i % 4], policy, rot)
+        pow2 = i % 3 == 0
+        parts = parts_for(P, n + i, dtype, 100 + i, device, 1e-5 if pow2 else 1.0)
+        x = parts[rank].clone()
+        y = buf.all_reduce(x, spec, pow2_rescale=pow2)
+        what = f"options {dtype} {spec} pow2={pow2}: rank {rank}"
+        assert same_bits(y, spec_on_device(parts, spec, pow2=pow2)), f"{what} differs from the emulator"
+        cpu_ref.check(y, x, spec, pow2=pow2, what=what)
+        assert torch.equal(x, parts[rank]), "the input was modified"
+        assert all_same(digest(y.cpu())), f"options {dtype} {spec}: ranks differ"
+        num += 1
+    return num
+
+
+def check_compensated(buf, rank, P, device, n, cpu_ref, num_calls=4):
+    """Both residuals, with and without the pow2 rescaling: outputs and both averages, every call."""
+    num = 0
+    for residual in ("output", "local"):
+        for pow2 in (False, True):
+            dcfg = DirectionConfig(residual=residual, gain=0.9)
+            comp, comp_emul, comp_cpu = make_compensator(dcfg), make_compensator(dcfg), make_compensator(dcfg)
+            spec = QuantSpec(4, 64, "zero_aware", rotation=pow2)
+            for call in range(num_calls):
+                parts = parts_for(P, n, torch.bfloat16, 1000 + 10 * call + pow2, device, 1e-4 if pow2 else 1.0)
+                x = parts[rank]
+                y = buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
+                expected = spec_on_device(parts, spec, comp_emul, pow2)
+                what = f"compensated {residual} pow2={pow2} call {call}: rank {rank}"
+                cpu_ref.check(y, x, spec, comp_cpu, pow2, what)
+                buf.synchronize()
+                assert same_bits(y, expected), f"{what}: output differs from the emulator"
+                assert torch.equal(comp.m1, comp_emul.m1[rank]) and torch.equal(comp.m2, comp_emul.m2[rank]), \
+                    f"{what}: state differs from the emulator's"
+                num += 1
+    return num
+
+
+def check_nonfinite(buf, rank, P, device, cpu_ref):
+    parts = parts_for(P, 5000, torch.float32, 7, device)
+    parts[0, 10] = float("nan")
+    parts[P - 1, 3000] = float("inf")
+    x = parts[rank]
+    spec = QuantSpec(4, 128)
+    y = buf.all_reduce(x, spec)
+    assert same_bits(y, spec_on_device(parts, spec)), "non-finite inputs: output differs from the emulator"
+    cpu_ref.check(y, x, spec, what="non-finite inputs")
+    assert torch.isnan(y).any(), "NaN did not propagate"
+    return 1
+
+
+def check_sizes(buf, rank, P, device, sizes, every_rank_below: int):
+    """Sizes from one element up, against the emulator on this device (on every rank below
+    ``every_rank_below`` elements, on rank 0 above), and equal digests on every rank."""
+    lines = []
+    for i, (n, dtype_name) in enumerate(sizes):
+        dtype = getattr(torch, dtype_name)
+        spec = QuantSpec(4, 128, rotation=i % 3 == 1)
+        comp = make_compensator(DirectionConfig()) if i % 2 == 0 else None
+        parts = parts_for(P, n, dtype, 5000 + i, device)
+        x = parts[rank]
+        t0 = time.perf_counter()
+        y = buf.all_reduce(x, spec, compensator=comp)
+        buf.synchronize()
+        secs = time.perf_counter() - t0
+        if n < every_rank_below or rank == 0:
+            ref = spec_on_device(parts, spec, make_compensator(DirectionConfig()) if comp else None)
+            assert same_bits(y, ref), f"size {n} {dtype}: rank {rank} differs from the emulator"
+            del ref
+        assert all_same(digest(y)), f"size {n} {dtype}: ranks differ"
+        lines.append(f"n={n} {str(dtype)[6:]} ({n * parts.element_size() / 2**20:.3f} MiB){' compensated' if comp else ''}"
+                     f"{' rotated' if spec.rotation else ''}: bit-identical to the emulator and across ranks "
+                     f"(first call {secs * 1e3:.1f} ms)")
+        del parts, x, y
+    return lines
+
+
+def check_graph(buf, rank, P, device, n=100_003, replays=4):
+    """Capture one compensated call (rotation, pow2) and replay it with new inputs; eager calls before
+    and after; the outputs and the compensator sequence must be the emulator's."""
+    dcfg = DirectionConfig(gain=0.8)
+    comp, comp_emul = make_compensator(dcfg), make_compensator(dcfg)
+    spec = QuantSpec(4, 128, "zero_aware", rotation=True)
+    inputs = [parts_for(P, n, torch.float16, 9000 + i, device, 1e-3) for i in range(replays + 3)]
+    static_x = inputs[0][rank].clone()
+    y0 = buf.all_reduce(static_x, spec, compensator=comp, pow2_rescale=True)  # eager warm-up: schedule, state
+    assert same_bits(y0, spec_on_device(inputs[0], spec, comp_emul, True)), "graph: the eager warm-up differs"
+    buf.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = buf.all_reduce(static_x, spec, compensator=comp, pow2_rescale=True)
+
+    def replay(i):
+        static_x.copy_(inputs[i][rank])
+        dist.barrier()
+        graph.replay()
+        expected = spec_on_device(inputs[i], spec, comp_emul, True)
+        buf.synchronize()
+        assert same_bits(static_y, expected), f"graph replay of inputs {i}: output differs from the emulator"
+        assert torch.equal(comp.m1, comp_emul.m1[rank]), f"graph replay of inputs {i}: state differs"
+        assert all_same(digest(static_y)), f"graph replay of inputs {i}: ranks differ"
+
+    for i in range(1, replays + 1):
+        replay(i)
+    # An eager call after the replays (the device flag base advanced with every replay), then one more replay.
+    y = buf.all_reduce(inputs[replays + 1][rank], spec, compensator=comp, pow2_rescale=True)
+    assert same_bits(y, spec_on_device(inputs[replays + 1], spec, comp_emul, True)), \
+        "graph: the eager call after the replays differs"
+    replay(replays + 2)
+    return replays + 1
+
+
+def check_stress(buf, rank, P, device, num_calls, sizes, sample_every):
+    """Back-to-back calls of mixed sizes, no host synchronisation in between; every output folded into
+    a digest compared across ranks at the end, sampled calls compared with the emulator."""
+    base = parts_for(1, max(sizes), torch.float32, 77, device)[0]
+    spec = QuantSpec(4, 128)
+    running = torch.zeros((), dtype=torch.int64, device=device)
+    weights = torch.arange(max(sizes), device=device, dtype=torch.int64) % 65521 + 1
+    t0 = time.perf_counter()
+    num_checked = 0
+    for call in range(num_calls):
+        n = sizes[call % len(sizes)]
+        dtype = (torch.bfloat16, torch.float16)[call % 2]
+        x = (base[:n] * (1.0 + 0.25 * rank) + 1e-3 * (call % 97)).to(dtype)
+        y = buf.all_reduce(x, spec)
+        running += (y.view(torch.int16).to(torch.int64) * weights[:n]).sum() * (call % 1009 + 1)
+        if call % sample_every == sample_every - 1:
+            if rank == 0:
+                parts = torch.stack([(base[:n] * (1.0 + 0.25 * r) + 1e-3 * (call % 97)).to(dtype) for r in range(P)])
+                assert same_bits(y, emulated_echo_all_reduce(parts, spec)), f"stress call {call}: differs"
+            num_checked += 1
+    buf.synchronize()
+    secs = time.perf_counter() - t0
+    assert all_same(int(running)), "stress: the ranks' digests differ"
+    return secs, num_checked
+
+
+def suite(rank, world_size, cfg):
+    """Everything but the killed rank; ``cfg``: transport, device kind, sizes, stress length."""
+    from echo_ds.p2p import EchoBuffer
+
+    P = world_size
+    cuda = cfg["transport"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    out = []
+    t0 = time.perf_counter()
+    buf = EchoBuffer(max_numel=cfg["max_numel"], timeout_s=cfg.get("timeout_s", 10.0),
+                     tile_bytes=cfg.get("tile_bytes", 1 << 20), transport=cfg["transport"],
+                     stages=cfg.get("stages", "auto"))
+    assert buf.active, buf.reason
+    table = buf.table
+    assert len(table) == 3 * P + 1 and len(set(table)) == 3 * P + 1, table
+    stages = "fused kernels of echo_ds.ops (torch for group size 16)" if buf._ops is not None else "torch"
+    if cfg.get("stages") == "kernels":
+        assert buf._ops is not None, "the fused kernels did not load"
+    out.append(f"P={P}: EchoBuffer up in {time.perf_counter() - t0:.2f} s (probe passed, table of {len(table)} "
+               f"addresses, stages: {stages})")
+    log(rank, out[-1])
+    cpu_ref = CpuReference(cfg.get("cpu_reference", "assert"))
+    n_opt = check_options(buf, rank, P, device, cfg["option_numel"], cpu_ref, cfg.get("option_stride", 1))
+    log(rank, f"P={P}: {n_opt} option combinations (of 3 dtypes x 2 bits x 3 quantizers x 2 rotations, group "
+              f"sizes 16..256, pow2 on a third) bit-identical to the emulator on this device and across ranks")
+    n_comp = check_compensated(buf, rank, P, device, cfg["option_numel"], cpu_ref, cfg.get("comp_calls", 4))
+    log(rank, f"P={P}: {n_comp} compensated calls (output/local residual x pow2 off/on): outputs and both "
+              f"averages bit-identical to the emulator's")
+    check_nonfinite(buf, rank, P, device, cpu_ref)
+    log(rank, f"P={P}: NaN/inf inputs propagate exactly as in the emulator")
+    log(rank, f"P={P}: {cpu_ref.summary()} (rank 0; mode {cpu_ref.mode})")
+    for line in check_sizes(buf, rank, P, device, cfg["sizes"], cfg["emulator_from"]):
+        log(rank, f"P={P}: {line}")
+    if cfg.get("stress_calls"):
+        secs, checked = check_stress(buf, rank, P, device, cfg["stress_calls"], cfg["stress_sizes"],
+                                     cfg["stress_sample_every"])
+        log(rank, f"P={P}: {cfg['stress_calls']} back-to-back calls of {len(cfg['stress_sizes'])} mixed sizes in "
+                  f"{secs:.1f} s ({cfg['stress_calls'] / secs:.0f} calls/s per rank): no hang, digests equal on "
+                  f"every rank, {checked} sampled calls bit-identical to the emulator")
+    if cuda and cfg.get("graph", True):
+        n_rep = check_graph(buf, rank, P, device)
+        log(rank, f"P={P}: CUDA graph: {n_rep} replays with new inputs (compensated, rotation, pow2) and an eager "
+                  f"call between them: outputs and state bit-identical to the emulator's")
+    calls = buf.transport.read_control().call_index if cuda else buf.transport.control.call_index
+    if not cfg.get("leave_open"):  # else interpreter exit closes it (the atexit path)
+        buf.close()
+    return {"lines": out, "device_calls": int(calls)}
+
+
+def killed_body(rank, world_size, cfg):
+    """Rank P - 1 dies in the middle of call ``cfg['kill_call']`` (after its push); the others must
+    fail with EchoP2PTimeout naming rank, peer, stage and call within the timeout."""
+    from echo_ds.p2p import EchoBuffer, EchoP2PTimeout
+
+    P = world_size
+    cuda = cfg["transport"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    # The transport is under test here; the torch stages need no kernel build.
+    buf = EchoBuffer(max_numel=1 << 20, timeout_s=cfg["timeout_s"], transport=cfg["transport"], stages="torch")
+    assert buf.active, buf.reason
+    if rank == P - 1:
+        buf._fault = (cfg["kill_call"], "exit_after_push")
+    spec = QuantSpec(4, 128)
+    x = parts_for(P, 50_000, torch.float32, 3, device)[rank]
+    t_start = None
+    for call in range(1, cfg["kill_call"] + 3):
+        t_start = time.perf_counter()
+        try:
+            buf.all_reduce(x, spec)
+            buf.synchronize()
+        except EchoP2PTimeout as e:
+            waited = time.perf_counter() - t_start
+            msg = str(e)
+            buf.close(abort=True, barrier=False)
+            return {"call": call, "waited_s": waited, "message": msg}
+    raise AssertionError(f"rank {rank}: no EchoP2PTimeout after rank {P - 1} died")

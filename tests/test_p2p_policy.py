@@ -1,0 +1,66 @@
+"""The p2p backend's decisions are pure functions of sizes, dtypes, world size and capabilities; every
+"no" names the setting to change."""
+
+import pytest
+import torch
+
+from echo_ds.p2p import policy
+from echo_ds.p2p.layout import Capacity
+
+OK = policy.GroupFacts("cuda", 4, same_host=True, peer_access=True, kernels_built=True)
+
+
+def facts(**kw):
+    return policy.GroupFacts(**{**OK.__dict__, **kw})
+
+
+def test_a_healthy_group_uses_p2p():
+    assert policy.group_decision(OK)
+    assert policy.group_decision(facts(probe_ok=True))
+    for P in (2, 4, 8):
+        assert policy.group_decision(facts(world_size=P))
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(device_type="cpu"), ["CUDA", '"backend": "reference"']),
+    (dict(world_size=3), ["(2, 4, 8)", "3 ranks", "autotp_size"]),
+    (dict(world_size=16), ["16 ranks"]),
+    (dict(same_host=False), ["several hosts", "NCCL"]),
+    (dict(peer_access=False), ["peer access", "nvidia-smi topo"]),
+    (dict(kernels_built=False, kernels_error="nvcc missing"), ["nvcc missing", "nvcc"]),
+    (dict(probe_ok=False, probe_error="rank 1 read [0, 0, 0]"), ["probe", "rank 1 read"]),
+])
+def test_each_missing_prerequisite_declines_with_its_reason(change, words):
+    d = policy.group_decision(facts(**change))
+    assert not d
+    for w in words:
+        assert w in d.reason, (w, d.reason)
+
+
+def test_world_size_one_declines():
+    assert not policy.group_decision(facts(world_size=1))
+
+
+def call(**kw):
+    base = dict(dtype=torch.bfloat16, numel=1 << 20, element_size=2, world_size=4, bits=4, group_size=128,
+                capacity=Capacity(4, 1 << 22))
+    return policy.call_decision(**{**base, **kw})
+
+
+def test_call_decision():
+    assert call()
+    assert call(dtype=torch.float32, element_size=4) and call(dtype=torch.float16)
+    assert "dtype" in call(dtype=torch.float64, element_size=8).reason
+    assert "max_numel" in call(numel=1 << 24).reason
+    assert call(numel=1 << 23), "4-bit codes of twice max_numel still fit"
+    assert "max_numel" in call(numel=1 << 23, bits=8).reason
+    assert "telemetry" in call(telemetry=True).reason
+    assert "min_message_bytes" in call(min_message_bytes=1 << 30).reason
+    assert "device" in call(device_matches=False).reason
+    assert not call(numel=0)
+
+
+def test_p2p_transport_status_has_the_deepspeed_policy_shape():
+    assert policy.p2p_transport_status("cuda", 2) == (True, "")
+    ok, why = policy.p2p_transport_status("cuda", 8, same_host=False)
+    assert not ok and "hosts" in why

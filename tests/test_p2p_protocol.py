@@ -1,0 +1,167 @@
+"""The p2p transport's pure parts: flag values and the release rule, error messages, the workspace
+layout and tiling, the device-side pow2 exponent. No GPU, no processes."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from echo_ds import collective as C
+from echo_ds.p2p import layout as L
+from echo_ds.p2p import protocol as proto
+from echo_ds.p2p.stages import pow2_factors
+
+
+# ----------------------------------------------------------------------------------------------------
+# Flags
+# ----------------------------------------------------------------------------------------------------
+
+def test_flag_values_grow_by_three_per_call_and_never_repeat_within_a_stage():
+    seen = {s: set() for s in proto.PUBLISH_STAGE_NAMES}
+    for call in range(1, 2000):
+        values = [proto.flag_value(call, s) for s in (proto.kStagePush, proto.kStageReduce, proto.kStageGather)]
+        assert values == [3 * call, 3 * call + 1, 3 * call + 2]
+        for s, v in zip(seen, values):
+            assert v not in seen[s]
+            seen[s].add(v)
+    assert all(v != 0 for vs in seen.values() for v in vs), "0 is every fresh flag's value"
+
+
+def test_release_is_equality_and_stale_values_never_release():
+    for call in (1, 2, 77, 10**6):
+        expected = proto.flag_value(call, proto.kStageGather)
+        assert proto.released(expected, expected)
+        # Early arrival: the slot still holds a value of an older call, or the fresh 0.
+        for older in range(max(1, call - 5), call):
+            for stage in proto.PUBLISH_STAGE_NAMES:
+                assert not proto.released(proto.flag_value(older, stage), expected)
+        assert not proto.released(0, expected)
+
+
+def test_release_stays_sound_across_the_32_bit_wrap():
+    wrap_call = (1 << 32) // 3  # 3c crosses 2^32 here
+    for call in range(wrap_call - 3, wrap_call + 4):
+        expected = proto.flag_value(call, proto.kStagePush)
+        assert 0 <= expected <= proto.kFlagMask
+        for older in range(call - 3, call):
+            assert not proto.released(proto.flag_value(older, proto.kStagePush), expected)
+    # A slot untouched for 2^31 calls: a serial-number ">=" would release here, equality does not.
+    stale = proto.flag_value(5, proto.kStagePush)
+    later = proto.flag_value(5 + (1 << 31) // 3 + 7, proto.kStagePush)
+    assert ((stale - later) & proto.kFlagMask) < (1 << 31), "the case a serial-number comparison gets wrong"
+    assert not proto.released(stale, later)
+
+
+def test_decode_flag():
+    assert proto.decode_flag(0) == (0, None)
+    assert proto.decode_flag(proto.flag_value(41, proto.kStageGather)) == (41, proto.kStageGather)
+    with pytest.raises(ValueError):
+        proto.flag_value(1, 3)
+
+
+def test_timeout_message_names_rank_peer_stage_and_call():
+    f = proto.WaitFailure(proto.kErrorTimeout, rank=2, peer=3, stage=proto.kWaitTail, tile=5, call_index=17,
+                          expected=proto.flag_value(17, proto.kStageGather),
+                          seen=proto.flag_value(16, proto.kStageGather), waited_ns=int(5.01e9))
+    msg = proto.describe_failure(f, 5.0, 4)
+    for part in ("rank 2 of 4", "waiting for rank 3", "tail", "tile 5", "call 17", "gather of call 16",
+                 "timeout 5 s", "ECHO_P2P_TIMEOUT_S"):
+        assert part in msg, (part, msg)
+    fresh = proto.describe_failure(f.__class__(**{**f.__dict__, "seen": 0, "stage": proto.kWaitAmax}), 5.0, 4)
+    assert "never written" in fresh and "pow2" in fresh
+    aborted = proto.describe_failure(f.__class__(**{**f.__dict__, "code": proto.kErrorAborted}), 5.0, 4)
+    assert "closed" in aborted and "call 17" in aborted
+    assert issubclass(proto.EchoP2PTimeout, proto.EchoP2PError)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layout
+# ----------------------------------------------------------------------------------------------------
+
+def test_ctypes_mirror_matches_the_header_constants():
+    assert L.expected_layout()[-3:] == (8, 64, 21)
+    assert L.signal_offset("push", 0, 0) == 0
+    assert L.signal_offset("gather", 1, 2) == 2048 + 4 * (64 + 2)
+    assert L.signal_offset("amax", 3) == 4128 + 12
+    assert L.signal_offset("probe", 2, 3) == 4160 + 4 * 11
+    with pytest.raises(KeyError):
+        L.signal_offset("nope")
+
+
+@pytest.mark.parametrize("P", (2, 4, 8))
+def test_tiling_covers_each_segment_once_in_aligned_tiles(P):
+    cap = L.Capacity(P, 1 << 22)
+    for numel, bits, g, tile_bytes in itertools.product((1, 1000, 123_457, 4_000_001), (4, 8), (16, 128, 4096),
+                                                        (0, 4096, 1 << 20)):
+        t = L.make_tiling(numel, P, bits, g, tile_bytes, cap)
+        layout = C.Layout(numel, P, g)
+        assert t.groups_per_segment == layout.groups_per_segment
+        assert 1 <= t.num_tiles <= L.kMaxTiles
+        ranges = [t.tile(i) for i in range(t.num_tiles)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == t.groups_per_segment
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        if t.num_tiles > 1:
+            assert t.tile_groups % L.kTileGroupQuantum == 0
+        assert t.fits(), (numel, bits, g)
+        for slot in range(2 * P):
+            assert t.code_offset(slot) % L.kSlotAlignBytes == 0 and t.scale_offset(slot) % 256 == 0
+        with pytest.raises(IndexError):
+            t.tile(t.num_tiles)
+
+
+def _span(t, slots, offset_fn, size):
+    return [(offset_fn(s), offset_fn(s) + size) for s in slots]
+
+
+@pytest.mark.parametrize("P", (2, 4, 8))
+def test_push_and_gather_halves_never_overlap_across_calls_of_different_sizes(P):
+    """A rank that finished call n pushes call n + 1 while a peer may still decode the gathered codes of
+    call n: the push slots of any size must miss the gather slots of any other size."""
+    cap = L.Capacity(P, 1 << 20)
+    tilings = [L.make_tiling(n, P, b, g, 0, cap) for n in (1, 999, 65_537, 1 << 20) for b in (4, 8)
+               for g in (16, 128)]
+    for a, b in itertools.product(tilings, repeat=2):
+        push = _span(a, range(P), a.code_offset, a.code_stride) + [
+            (a.scale_offset(s), a.scale_offset(s) + a.param_stride) for s in range(P)]
+        gather = _span(b, range(P, 2 * P), b.code_offset, b.code_stride)
+        gather_params = [(b.scale_offset(s), b.scale_offset(s) + b.param_stride) for s in range(P, 2 * P)]
+        assert max(e for _, e in push[:P]) <= min(s for s, _ in gather) <= cap.code_bytes // 2 + 0
+        assert max(e for _, e in push[P:]) <= min(s for s, _ in gather_params)
+        assert max(e for _, e in gather) <= cap.code_bytes and max(e for _, e in gather_params) <= cap.param_bytes
+
+
+def test_capacity_declines_what_does_not_fit():
+    cap = L.Capacity(4, 1000)
+    assert L.make_tiling(1000, 4, 8, 16, 0, cap).fits()
+    assert L.make_tiling(1000, 4, 8, 4096, 0, cap).fits()  # padding to a whole 4096-group still fits
+    assert not L.make_tiling(100_000, 4, 8, 16, 0, cap).fits()
+
+
+def test_choose_tile_groups_targets_the_tile_bytes():
+    assert L.choose_tile_groups(1000, 64, 0) == 1000
+    assert L.choose_tile_groups(5000, 64, 68 * 80) == 80
+    assert L.choose_tile_groups(5000, 64, 68 * 200) == 200
+    assert L.choose_tile_groups(10_000, 64, 1) == L.kTileGroupQuantum * math.ceil(10_000 / 64 / 8)  # <= 64 tiles
+    assert L.choose_tile_groups(5, 64, 1 << 20) == 5
+
+
+def test_wire_bytes_per_rank():
+    # 4 ranks, 1024 elements, g = 128, 4 bits: segments of 2 groups of 64 + 4 bytes.
+    assert L.wire_bytes_per_rank(1024, 4, 4, 128) == 2 * 3 * 2 * 68
+
+
+# ----------------------------------------------------------------------------------------------------
+# The device-side pow2 exponent equals the reference's host-side one
+# ----------------------------------------------------------------------------------------------------
+
+def test_pow2_factors_match_the_reference_exponent():
+    values = [0.0, 1.0, 1e-7, 3.5e-39, 1.4e-45, 65504.0, 3.4e38, 2.0**14, 2.0**15 - 1, 2.0**15, 0.75,
+              float("inf"), float("nan"), -2.5]
+    gen = torch.Generator().manual_seed(0)
+    values += (torch.rand(200, generator=gen) * 10 ** torch.randint(-40, 38, (200,), generator=gen).float()).tolist()
+    for v in values:
+        a = torch.tensor(v, dtype=torch.float32)
+        k = C.pow2_exponent(a.abs() if not math.isnan(v) else a)
+        up, down = pow2_factors(a.abs() if not math.isnan(v) else a)
+        assert up.item() == 2.0**k and down.item() == 2.0**-k, (v, k, up.item())
