@@ -15,7 +15,8 @@
       "early_sites": {"bits": 8, "fraction": 0.0},
       "backend": "auto",            // "auto" | "reference" | "p2p"
       "min_message_bytes": 0,
-      "telemetry": false            // record the norm of each call's revealed error
+      "telemetry": false,           // record the norm of each call's revealed error
+      "quantize_lm_head": false     // also compress the output head's all-reduce (inference)
     }
 
 The models are DeepSpeed's own ``DeepSpeedConfigModel`` (pydantic, unknown keys forbidden). Every invalid
@@ -96,6 +97,7 @@ class EchoConfig(DeepSpeedConfigModel):
     backend: Literal["auto", "reference", "p2p"] = "auto"
     min_message_bytes: int = Field(0, ge=0)
     telemetry: bool = False
+    quantize_lm_head: bool = False
 
     def __init__(self, strict: bool = True, **data):
         # DeepSpeed's models drop values equal to "auto" unless strict; "auto" is a real backend here.

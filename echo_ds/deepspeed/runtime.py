@@ -1,0 +1,539 @@
+"""The per-model state of Echo under DeepSpeed: sites, passes, compensator states, counters.
+
+One ``EchoRuntime`` serves one tensor-parallel group of one model. It owns
+
+* the table of *sites*: every tensor-parallel all-reduce that Echo replaced, one ``Site`` per layer
+  (per coalesced group on the backward pass), numbered in module order, so every rank numbers them
+  the same way;
+* two compensator states, one per direction (section 5.4: residuals of the two directions have
+  different coordinates and magnitudes, so one pair fed by both would match neither). Each is reset at
+  the start of its pass: a forward pass starts when the root module's forward is called, a backward
+  pass at the first backward site reached after a forward pass started;
+* the site-order check (see ``check_site_order``);
+* the counters (``EchoStats``) and the optional telemetry.
+
+The decisions (which backend, compressed or not, whether to keep outputs for a recompute) are the pure
+functions of ``policy.py``; this module only carries them out.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import deepspeed.comm as ds_dist
+import torch
+import torch.distributed as dist
+from deepspeed.module_inject.layers import is_autotp_training_mode
+
+from echo_ds.quant import wire_bytes
+
+from . import policy
+
+
+def _make_logger() -> logging.Logger:
+    """The "echo_ds" logger: INFO to stdout, like DeepSpeed's own, whose default level (WARNING) would
+    hide the backend choice and the counters. ``logging.getLogger("echo_ds").setLevel(...)`` tunes it."""
+    log = logging.getLogger("echo_ds")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+logger = _make_logger()
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+# Site-order digest: a polynomial hash kept below 2^31 so that it travels exactly in a float64 next to
+# the call count (both are compared with one MAX all-reduce of [d, -d, n, -n]).
+kDigestModulus = 2**31 - 1
+kDigestBase = 1_000_003
+# Entries of the per-window trace kept for the error message (the digest covers every call regardless).
+kMaxTraceEntries = 65536
+
+_emitted_once = set()
+
+
+def log_once(level: str, message: str, key: Optional[str] = None) -> None:
+    """Log ``message`` once per process (per ``key``, default the message itself), from global rank 0, at
+    ``level`` ("warning", "info", "debug").
+
+    Every decision logged this way is taken identically on every rank, so rank 0 speaks for all.
+    """
+    key = message if key is None else key
+    if key in _emitted_once:
+        return
+    _emitted_once.add(key)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        getattr(logger, level)(message)
+
+
+def _in_backward() -> bool:
+    """True inside the autograd engine, i.e. while a backward pass (or a recompute inside it) runs."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Site:
+    """One tensor-parallel all-reduce that goes through Echo.
+
+    site_id: index in module order (identical on every rank of the group).
+    name: the module path of the layer ("model.layers.3.mlp.down_proj").
+    direction: FORWARD (row-parallel output) or BACKWARD (column-parallel input gradient).
+    checkpoint_modules: modules whose ``gradient_checkpointing`` flag means this site may be recomputed.
+    """
+
+    __slots__ = ("site_id", "name", "direction", "group", "world_size", "runtime", "checkpoint_modules", "cache")
+
+    def __init__(self, site_id: int, name: str, direction: str, group, world_size: int, runtime: "EchoRuntime",
+                 checkpoint_modules: Tuple[torch.nn.Module, ...] = ()):
+        self.site_id = site_id
+        self.name = name
+        self.direction = direction
+        self.group = group
+        self.world_size = world_size
+        self.runtime = runtime
+        self.checkpoint_modules = checkpoint_modules
+        self.cache: List[torch.Tensor] = []  # forward outputs kept for an activation-checkpoint recompute
+
+    def checkpointed(self) -> bool:
+        return any(getattr(m, "gradient_checkpointing", False) for m in self.checkpoint_modules)
+
+    def __repr__(self) -> str:
+        return f"Site({self.site_id}, {self.name!r}, {self.direction})"
+
+
+@dataclass
+class SiteTelemetry:
+    """Revealed error of one site: the error delta_k its calls injected (``y - exact``), summed as squares.
+
+    relative_rms: sqrt(sum ||delta||^2 / sum ||y||^2) over the site's calls.
+    """
+
+    num_calls: int = 0
+    error_sq: float = 0.0
+    output_sq: float = 0.0
+    max_error_norm: float = 0.0
+
+    @property
+    def relative_rms(self) -> float:
+        return (self.error_sq / self.output_sq) ** 0.5 if self.output_sq > 0 else 0.0
+
+
+@dataclass
+class EchoStats:
+    """Counters a user can read (``runtime.stats``) and log.
+
+    forward_calls / backward_calls: compressed all-reduces at forward / backward sites.
+    forward_plain_calls / backward_plain_calls: all-reduces at Echo sites that took the exact path
+        (message below ``min_message_bytes``).
+    recomputed_calls: forward sites reached again during an activation-checkpointing recompute; they
+        replay the kept output (no communication, no state change)...
+    recompute_fallbacks: ... or, where no output was kept, take the exact all-reduce.
+    coalesced_layers: column-parallel layers whose backward all-reduce joined a sibling's call.
+    bytes_sent: bytes of the compressed messages (codes plus fp16 scale and zero per group), summed over
+        calls; bytes_16bit: what the same calls would have sent as 16-bit values. Both count the message
+        once per call; the all-reduce moves each of them the same number of times.
+    plain_bytes: bytes of the exact all-reduces at Echo sites, in their own dtype.
+    """
+
+    forward_calls: int = 0
+    backward_calls: int = 0
+    forward_plain_calls: int = 0
+    backward_plain_calls: int = 0
+    recomputed_calls: int = 0
+    recompute_fallbacks: int = 0
+    coalesced_layers: int = 0
+    forward_passes: int = 0
+    backward_passes: int = 0
+    bytes_sent: int = 0
+    bytes_16bit: int = 0
+    plain_bytes: int = 0
+    sites: Dict[str, SiteTelemetry] = field(default_factory=dict)
+
+    def summary(self) -> Dict[str, int]:
+        """The four numbers of examples/train.py's final JSON line."""
+        return {
+            "forward_calls": self.forward_calls,
+            "backward_calls": self.backward_calls,
+            "bytes_sent": self.bytes_sent,
+            "bytes_16bit": self.bytes_16bit,
+        }
+
+    def as_dict(self) -> Dict[str, object]:
+        out = {k: v for k, v in self.__dict__.items() if k != "sites"}
+        out["sites"] = {name: {"num_calls": t.num_calls, "relative_rms": t.relative_rms,
+                               "max_error_norm": t.max_error_norm} for name, t in self.sites.items()}
+        return out
+
+
+class EchoRuntime:
+    """Echo state of one model's tensor-parallel group. Built by ``echo_ds.deepspeed.enable``.
+
+    config: ``echo_ds.config.EchoConfig``.
+    group: the tensor-parallel process group (torch.distributed).
+    device: where the group's tensors live (the site-order check allocates its 4 scalars there).
+    telemetry: record the error every compressed call reveals, per site (costs one
+        extra exact all-reduce per call; for diagnosis, not for production runs).
+    coalesce: make column-parallel layers that consume the same input share one backward all-reduce.
+    site_check_interval: compare the site order across ranks every this many forward passes (0: never).
+    recompute_cache: force (True/False) or leave to policy (None) keeping forward outputs for replay.
+    monitor: a DeepSpeed ``MonitorMaster`` (TensorBoard/CSV/W&B) to write counters to, or None.
+    log_interval: log counters every this many optimizer steps, as read from ``step_fn`` (0: never).
+    """
+
+    def __init__(self, config, group, device: torch.device, *, telemetry: bool = False, coalesce: bool = True,
+                 site_check_interval: int = 1, recompute_cache: Optional[bool] = None, monitor=None,
+                 log_interval: int = 0, step_fn: Optional[Callable[[], int]] = None):
+        from echo_ds.compensator import make_compensator
+
+        self.config = config
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.device = torch.device(device)
+        self.telemetry = bool(telemetry)
+        self.coalesce = bool(coalesce)
+        self.site_check_interval = int(site_check_interval)
+        self.recompute_cache = recompute_cache
+        self.monitor = monitor
+        self.log_interval = int(log_interval)
+        self.step_fn = step_fn
+
+        p2p_status = None
+        if config.backend != "reference" and self.device.type == "cuda":
+            from echo_ds import ops
+
+            p2p_status = policy.p2p_transport_status(self.device.type, self.world_size, ops.unavailable_reason())
+        choice = policy.select_backend(config.backend, self.device.type, self.world_size, p2p_status)
+        log_once(choice.level, "echo: " + choice.reason)
+        self.backend = choice.name
+        self.backend_reason = choice.reason
+        self.buffer = None
+        if self.backend == "p2p":
+            # The group's transport (a collective constructor: every rank of the group gets here). It
+            # checks the hosts and peer writes itself and, where they fail, says why once and stays off.
+            from echo_ds.p2p import EchoBuffer
+
+            self.buffer = EchoBuffer(group, device=self.device)
+            if not self.buffer.active:
+                self.backend, self.backend_reason = "reference", self.buffer.reason
+                self.buffer.close()
+                self.buffer = None
+
+        # One state per direction (section 5.4). With telemetry the compensator records the norm of the
+        # error each call reveals (one extra exact all-reduce per call).
+        self.forward_state = make_compensator(config.forward, telemetry=self.telemetry)
+        self.backward_state = make_compensator(config.backward, telemetry=self.telemetry)
+        self.pow2_rescale = bool(config.backward.pow2_rescale)
+
+        self.sites: List[Site] = []
+        self.num_forward_sites = 0  # for the early-sites policy
+        self.stats = EchoStats()
+        self._specs = {}
+
+        self._training_pass = False
+        self._forward_index = 0
+        self._backward_pending = False
+        self._coalesce_slot = None
+
+        self._digest = 0
+        self._num_traced = 0
+        self._trace: List[Tuple[str, int, int, int]] = []
+        self._passes_since_check = 0
+        self._last_logged_step = None
+
+    # ------------------------------------------------------------------------------------------------
+    # Sites
+    # ------------------------------------------------------------------------------------------------
+
+    def add_site(self, name: str, direction: str, checkpoint_modules: Tuple[torch.nn.Module, ...] = ()) -> Site:
+        site = Site(len(self.sites), name, direction, self.group, self.world_size, self, checkpoint_modules)
+        self.sites.append(site)
+        if direction == FORWARD:
+            self.num_forward_sites += 1
+        return site
+
+    def _spec(self, bits: int):
+        spec = self._specs.get(bits)
+        if spec is None:
+            spec = self._specs[bits] = self.config.quant_spec(bits)
+        return spec
+
+    # ------------------------------------------------------------------------------------------------
+    # Passes
+    # ------------------------------------------------------------------------------------------------
+
+    def begin_forward_pass(self, training: bool) -> None:
+        """Start of a forward pass of the root module: reset the forward state (and check, log)."""
+        if self.site_check_interval > 0:
+            self._passes_since_check += 1
+            if self._passes_since_check >= self.site_check_interval:
+                self.check_site_order()
+        self._training_pass = training and torch.is_grad_enabled()
+        if self._training_pass:
+            # Outputs kept for the previous pass's recompute are no longer needed. An eval pass in
+            # between (no grad) keeps them, so a backward that follows it can still replay.
+            for site in self.sites:
+                site.cache.clear()
+        if self.forward_state is not None:
+            self.forward_state.reset()
+        self._forward_index = 0
+        self._backward_pending = True
+        self._coalesce_slot = None
+        self.stats.forward_passes += 1
+        self._maybe_log()
+
+    def end_forward_pass(self) -> None:
+        # Siblings consume a shared input within one forward; drop the reference now.
+        self._coalesce_slot = None
+
+    def _begin_backward_pass(self) -> None:
+        if self.backward_state is not None:
+            self.backward_state.reset()
+        self._backward_pending = False
+        self.stats.backward_passes += 1
+
+    # ------------------------------------------------------------------------------------------------
+    # Backward coalescing
+    # ------------------------------------------------------------------------------------------------
+
+    def coalesced(self, x: torch.Tensor, site: Site, wrap: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The wrapped ``x`` for a column-parallel layer: the sibling's wrapper when one already wrapped
+        this very tensor in this forward, else ``wrap()`` (which creates the backward site's node).
+
+        One slot suffices: siblings (q, k, v; gate, up) consume their input one after another.
+        """
+        slot = self._coalesce_slot
+        if (self.coalesce and slot is not None and slot[0] is x and slot[1] == x._version
+                and slot[2] is site.group):
+            self.stats.coalesced_layers += 1
+            return slot[3]
+        y = wrap()
+        if self.coalesce:
+            self._coalesce_slot = (x, x._version, site.group, y)
+        return y
+
+    # ------------------------------------------------------------------------------------------------
+    # The reduction
+    # ------------------------------------------------------------------------------------------------
+
+    def reduce(self, x: torch.Tensor, site: Site) -> torch.Tensor:
+        """All-reduce ``x`` (this rank's contribution, any shape, fp32/bf16/fp16) at ``site``.
+
+        Returns a new tensor of x's shape and dtype, identical on every rank of the group.
+        """
+        if site.direction == FORWARD:
+            if _in_backward():
+                return self._replay(x, site)
+            bits = self.config.bits_for_site(self._forward_index, self.num_forward_sites)
+            self._forward_index += 1
+            compensator, pow2 = self.forward_state, False
+        else:
+            if self._backward_pending:
+                self._begin_backward_pass()
+            bits = self.config.bits
+            compensator, pow2 = self.backward_state, self.pow2_rescale
+
+        numel = x.numel()
+        compressed = policy.use_compressed(numel, x.element_size(), bits, self.config.min_message_bytes)
+        self._record_visit(site, numel, bits if compressed else 16)
+
+        if compressed:
+            y = self._echo(x, site, bits, compensator, pow2)
+            if site.direction == FORWARD:
+                self.stats.forward_calls += 1
+            else:
+                self.stats.backward_calls += 1
+            self.stats.bytes_sent += wire_bytes(numel, bits, self.config.group_size)
+            self.stats.bytes_16bit += 2 * numel
+            if self.telemetry:
+                self._measure(x, y, site, compensator)
+        else:
+            y = plain_all_reduce(x, site.group)
+            if site.direction == FORWARD:
+                self.stats.forward_plain_calls += 1
+            else:
+                self.stats.backward_plain_calls += 1
+            self.stats.plain_bytes += numel * x.element_size()
+
+        # NOTE: x.requires_grad, not torch.is_grad_enabled(): this runs inside an autograd Function's
+        # forward, where grad mode is always off; the message's own flag says whether the caller had it.
+        if site.direction == FORWARD and policy.cache_for_recompute(
+                self._training_pass, x.requires_grad, site.checkpointed(), self.recompute_cache):
+            # A copy, not a view: the model may modify the output in place after this returns.
+            site.cache.append(y.detach().clone())
+        return y
+
+    def _echo(self, x: torch.Tensor, site: Site, bits: int, compensator, pow2: bool) -> torch.Tensor:
+        if self.buffer is not None:
+            # NOTE: with a compensator the transport's update reads x again on a side stream: x is a fresh
+            # matmul output or gradient here, never written in place before the next call.
+            return self.buffer.all_reduce(x, self._spec(bits), compensator=compensator, pow2_rescale=pow2)
+        from echo_ds.reference import echo_all_reduce
+
+        return echo_all_reduce(x, self._spec(bits), group=site.group, compensator=compensator, pow2_rescale=pow2)
+
+    def _replay(self, x: torch.Tensor, site: Site) -> torch.Tensor:
+        """A forward site reached again inside backward: an activation-checkpointing recompute.
+
+        It must reproduce the original forward without advancing or touching the forward state (which
+        was reset or belongs to another pass by now), so it returns the output kept for it.
+        """
+        self.stats.recomputed_calls += 1
+        if site.cache:
+            y = site.cache.pop()  # LIFO: the backward recomputes the last use of a layer first
+            if y.shape != x.shape or y.dtype != x.dtype:
+                raise RuntimeError(
+                    f"echo: the recompute of {site.name} produced a {tuple(x.shape)} {x.dtype} message but the "
+                    f"forward kept a {tuple(y.shape)} {y.dtype} one: forward passes of this model overlap in a "
+                    f"way the replay cannot pair (run each backward before the next training forward)")
+            return y
+        self.stats.recompute_fallbacks += 1
+        log_once("warning",
+                 f"echo: forward sites are recomputed (activation checkpointing) without a kept output (the "
+                 f"first: {site.name}), so they take the exact all-reduce and the recomputed activations differ "
+                 f"from the original forward by the Echo error. Pass recompute_cache=True to "
+                 f"echo_ds.deepspeed.enable(...) when the checkpointing is not visible to Echo (it sees Hugging "
+                 f"Face gradient_checkpointing and reentrant checkpoints).", key="recompute_fallback")
+        return plain_all_reduce(x, site.group)
+
+    def _measure(self, x: torch.Tensor, y: torch.Tensor, site: Site, compensator) -> None:
+        """Telemetry: the norm of the error this call injected, attributed to its site.
+
+        With a compensator, that is the error the call revealed (the compensator measured it against an
+        exact all-reduce of the compensated contribution); without one, the output's deviation from the
+        exact all-reduce of ``x``, which is then the same quantity.
+        """
+        if compensator is not None and compensator.revealed_error_norms:
+            error_norm = compensator.revealed_error_norms.pop()
+        else:
+            error_norm = float(torch.linalg.vector_norm(y.float() - plain_all_reduce(x, site.group).float()))
+        t = self.stats.sites.setdefault(f"{site.direction}/{site.name}", SiteTelemetry())
+        t.num_calls += 1
+        t.error_sq += error_norm**2
+        t.output_sq += float(y.float().square().sum())
+        t.max_error_norm = max(t.max_error_norm, error_norm)
+
+    # ------------------------------------------------------------------------------------------------
+    # Site order
+    # ------------------------------------------------------------------------------------------------
+
+    def _record_visit(self, site: Site, numel: int, bits: int) -> None:
+        code = ((site.site_id * 2 + (site.direction == BACKWARD)) * 64 + bits) * 1_000_033 + numel
+        self._digest = (self._digest * kDigestBase + code) % kDigestModulus
+        self._num_traced += 1
+        if len(self._trace) < kMaxTraceEntries:
+            self._trace.append((site.direction, site.site_id, numel, bits))
+
+    def check_site_order(self) -> None:
+        """Verify that every rank visited the same sites, in the same order, with the same message sizes
+        and bit widths, since the last check. Raises RuntimeError naming the first difference.
+
+        Design: each rank folds every visit (direction, site id, numel, bits) into a running polynomial
+        digest. ``begin_forward_pass`` compares the digests (and the visit counts) every
+        ``site_check_interval`` forward passes with one MAX all-reduce of four float64 scalars
+        ``[d, -d, n, -n]``: all ranks agree iff max(d) == -max(-d), i.e. max == min. That is one tiny
+        collective per pass instead of one per site, so a divergence is caught at the start of the next
+        pass (before its first site), with at most one pass of mixed values behind it. Only on a mismatch
+        are the traces all-gathered, to say where the ranks parted.
+        """
+        self._passes_since_check = 0
+        if self.world_size == 1:
+            return
+        t = torch.tensor([self._digest, -self._digest, self._num_traced, -self._num_traced],
+                         dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        d_max, d_neg_min, n_max, n_neg_min = t.tolist()
+        agree = d_max == -d_neg_min and n_max == -n_neg_min
+        if not agree:
+            self._raise_site_mismatch()
+        self._digest = 0
+        self._num_traced = 0
+        self._trace = []
+
+    def _raise_site_mismatch(self) -> None:
+        traces = [None] * self.world_size
+        dist.all_gather_object(traces, (self._num_traced, self._trace), group=self.group)
+        names = {s.site_id: s.name for s in self.sites}
+
+        def describe(entry):
+            if entry is None:
+                return "no site (its sequence had ended)"
+            direction, site_id, numel, bits = entry
+            how = f"{bits}-bit" if bits < 16 else "exact"
+            return f"{names.get(site_id, site_id)} ({direction}, {numel} elements, {how})"
+
+        counts = [n for n, _ in traces]
+        seqs = [tr for _, tr in traces]
+        detail = "the traces kept agree but the full sequences do not (the difference lies beyond " \
+                 f"{kMaxTraceEntries} calls)"
+        for i in range(max(len(s) for s in seqs)):
+            entries = [s[i] if i < len(s) else None for s in seqs]
+            if any(e != entries[0] for e in entries):
+                detail = f"at call {i} of the window, " + "; ".join(
+                    f"rank {r} visited {describe(e)}" for r, e in enumerate(entries))
+                break
+        raise RuntimeError(
+            f"echo: tensor-parallel ranks visited different Echo sites ({detail}; calls per rank: {counts}). "
+            f"Every rank of a tensor-parallel group must run the same layers in the same order with the "
+            f"same shapes; check for rank-dependent control flow, different batch shapes across ranks, or "
+            f"layers skipped on some ranks.")
+
+    # ------------------------------------------------------------------------------------------------
+    # Logging
+    # ------------------------------------------------------------------------------------------------
+
+    def events(self, step: int) -> List[Tuple[str, float, int]]:
+        """Counters as DeepSpeed monitor events ``(name, value, step)``."""
+        s = self.stats
+        ev = [("Echo/forward_calls", s.forward_calls, step), ("Echo/backward_calls", s.backward_calls, step),
+              ("Echo/bytes_sent", s.bytes_sent, step), ("Echo/bytes_16bit", s.bytes_16bit, step)]
+        if s.bytes_16bit:
+            ev.append(("Echo/bytes_ratio", s.bytes_sent / s.bytes_16bit, step))
+        for name, t in s.sites.items():
+            ev.append((f"Echo/relative_rms_error/{name}", t.relative_rms, step))
+        return ev
+
+    def log(self, step: int = 0) -> None:
+        """Write the counters to the DeepSpeed monitor (if enabled) and one line to the console (rank 0)."""
+        if self.monitor is not None and getattr(self.monitor, "enabled", False):
+            self.monitor.write_events(self.events(step))
+        if dist.get_rank() != 0:
+            return
+        s = self.stats
+        ratio = f"{s.bytes_sent / s.bytes_16bit:.3f}" if s.bytes_16bit else "n/a"
+        line = (f"echo step {step}: forward_calls={s.forward_calls} backward_calls={s.backward_calls} "
+                f"plain_calls={s.forward_plain_calls + s.backward_plain_calls} recomputed={s.recomputed_calls} "
+                f"bytes_sent/bytes_16bit={ratio}")
+        if s.sites:
+            worst = max(s.sites.items(), key=lambda kv: kv[1].relative_rms)
+            line += f" worst_site={worst[0]} relative_rms_error={worst[1].relative_rms:.2e}"
+        logger.info(line)
+
+    def _maybe_log(self) -> None:
+        if self.log_interval <= 0 or self.step_fn is None:
+            return
+        step = self.step_fn()
+        if step > 0 and step % self.log_interval == 0 and step != self._last_logged_step:
+            self._last_logged_step = step
+            self.log(step)
+
+
+def plain_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """The uncompressed all-reduce DeepSpeed would have run, into a new tensor (x untouched)."""
+    y = x.contiguous().clone()
+    if ds_dist.is_initialized():
+        if is_autotp_training_mode():
+            ds_dist.all_reduce(y, group=group)
+        else:
+            ds_dist.inference_all_reduce(y, group=group)
+    else:
+        dist.all_reduce(y, group=group)
+    return y

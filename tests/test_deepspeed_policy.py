@@ -1,0 +1,161 @@
+"""The decisions of the DeepSpeed integration (pure functions) and its refusals, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from echo_ds.deepspeed import policy, runtime
+from echo_ds.quant import wire_bytes
+
+
+class _Log:
+    def __init__(self):
+        self.records = []
+
+    def __getattr__(self, level):
+        return lambda msg: self.records.append((level, msg))
+
+
+@pytest.fixture
+def log(monkeypatch):
+    fake = _Log()
+    monkeypatch.setattr(runtime, "logger", fake)
+    monkeypatch.setattr(runtime, "_emitted_once", set())
+    return fake
+
+
+def test_backend_reference_and_auto_on_cpu():
+    c = policy.select_backend("reference", "cpu", 2)
+    assert (c.name, c.level) == ("reference", "debug")
+    c = policy.select_backend("auto", "cpu", 2)
+    assert (c.name, c.level) == ("reference", "info")
+    assert '"auto" chose "reference"' in c.reason and "CUDA" in c.reason
+
+
+def test_backend_p2p_falls_back_with_one_warning_naming_the_setting(log):
+    no_kernels = policy.p2p_transport_status("cuda", 4, "echo_ds CUDA kernels unavailable: missing nvcc")
+    assert no_kernels[0] is False and "nvcc" in no_kernels[1]
+    for device, status in (("cuda", no_kernels), ("cpu", None)):
+        c = policy.select_backend("p2p", device, 4, status)
+        assert (c.name, c.level) == ("reference", "warning")
+        assert '"backend": "reference"' in c.reason and "echo" in c.reason
+    c = policy.select_backend("p2p", "cuda", 4, no_kernels)
+    for _ in range(3):
+        runtime.log_once(c.level, "echo: " + c.reason)
+    assert [lvl for lvl, _ in log.records] == ["warning"]
+
+
+def test_p2p_status_follows_the_transport_policy():
+    assert policy.p2p_transport_status("cuda", 4)[0] is True
+    assert policy.p2p_transport_status("cuda", 4, same_host=False)[0] is False
+    assert policy.p2p_transport_status("cpu", 4)[0] is False
+
+
+def test_backend_p2p_when_available():
+    assert policy.select_backend("p2p", "cuda", 4, p2p_status=(True, "")).name == "p2p"
+    c = policy.select_backend("auto", "cuda", 4, p2p_status=(True, ""))
+    assert (c.name, c.level) == ("p2p", "info")
+
+
+def test_backend_unknown_value_says_what_to_set():
+    with pytest.raises(ValueError, match='"reference".*"p2p".*"auto"'):
+        policy.select_backend("nccl", "cuda", 2)
+
+
+@pytest.mark.parametrize("numel,elem,bits,threshold,expected", [
+    (1024, 2, 4, 0, True), (1024, 2, 4, 2048, True), (1023, 2, 4, 2048, False), (1024, 4, 8, 4097, False),
+    (1 << 20, 2, 16, 0, False)])
+def test_use_compressed(numel, elem, bits, threshold, expected):
+    assert policy.use_compressed(numel, elem, bits, threshold) is expected
+
+
+@pytest.mark.parametrize("training,in_graph,checkpointed,override,expected", [
+    (True, True, False, None, False),    # plain training: nothing is recomputed
+    (True, True, True, None, True),      # Hugging Face gradient checkpointing
+    (True, False, False, None, True),    # reentrant checkpoint: original forward without grad
+    (False, False, False, None, False),  # eval under no_grad
+    (True, True, False, True, True), (True, False, True, False, False), (False, True, True, True, False)])
+def test_cache_for_recompute(training, in_graph, checkpointed, override, expected):
+    assert policy.cache_for_recompute(training, in_graph, checkpointed, override) is expected
+
+
+def test_lm_head_names():
+    assert policy.is_lm_head_name("lm_head") and policy.is_lm_head_name("model.embed_out")
+    assert not policy.is_lm_head_name("model.layers.0.mlp.down_proj") and not policy.is_lm_head_name(None)
+
+
+def test_stats_summary_and_wire_bytes_ratio():
+    s = runtime.EchoStats(forward_calls=3, backward_calls=2, bytes_sent=10, bytes_16bit=40)
+    assert s.summary() == {"forward_calls": 3, "backward_calls": 2, "bytes_sent": 10, "bytes_16bit": 40}
+    # The 4-bit message of 128 elements: 64 bytes of codes, 4 of fp16 scale and zero, vs 256 at 16 bits.
+    assert wire_bytes(128, 4, 128) == 68 and wire_bytes(128, 8, 128) == 132
+
+
+def test_enable_without_tensor_parallel_layers_is_a_noop(log):
+    import echo_ds.deepspeed as echo
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert echo.enable(model, {"bits": 4}) is None
+    assert echo.get_runtime(model) is None
+    assert any("no tensor-parallel layer" in msg and "autotp_size" in msg for _, msg in log.records)
+
+
+def test_enable_disabled_section_is_a_noop():
+    import echo_ds.deepspeed as echo
+    from echo_ds.config import EchoConfigError
+
+    assert echo.enable(torch.nn.Linear(2, 2), {"echo": {"enabled": False}}) is None
+    assert echo.enable(torch.nn.Linear(2, 2), {"enabled": False}) is None
+    # A dict without an "echo" key is read as the section itself, strictly (a typo must not disable Echo).
+    with pytest.raises(EchoConfigError, match="train_batch_size"):
+        echo.enable(torch.nn.Linear(2, 2), {"train_batch_size": 8})
+
+
+def test_bad_echo_section_names_the_key():
+    import echo_ds.deepspeed as echo
+    from echo_ds.config import EchoConfigError
+
+    with pytest.raises(EchoConfigError, match=r"echo\.bits=3"):
+        echo.enable(torch.nn.Linear(2, 2), {"echo": {"bits": 3}})
+    with pytest.raises(EchoConfigError, match="backend"):
+        echo.enable(torch.nn.Linear(2, 2), {"backend": "nccl"})
+
+
+def test_enable_rejects_what_it_cannot_use():
+    import echo_ds.deepspeed as echo
+
+    with pytest.raises(TypeError, match="DeepSpeedEngine, an InferenceEngine or an nn.Module"):
+        echo.enable(object())
+    with pytest.raises(TypeError, match="EchoConfig"):
+        echo.enable(torch.nn.Linear(2, 2), 42)
+
+
+def test_init_inference_conflicting_sections():
+    import echo_ds.deepspeed as echo
+
+    with pytest.raises(ValueError, match="both in 'config' and as a keyword"):
+        echo.init_inference(torch.nn.Linear(2, 2), config={"echo": {"bits": 4}}, echo={"bits": 8})
+    with pytest.raises(ValueError, match="dict or a path"):
+        echo.init_inference(torch.nn.Linear(2, 2), config=42)
+
+
+def test_ds_configs_parse():
+    """The shipped configs: the echo sections are valid, the 16-bit ones are the same minus Echo."""
+    import json
+    import os
+
+    from echo_ds.config import EchoConfig
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+    load = lambda name: json.load(open(os.path.join(root, name)))  # noqa: E731
+    for pair in (("tp2_cpu_echo4.json", "tp2_cpu_16bit.json"), ("tp4_gpu_echo4.json", "tp4_gpu_16bit.json")):
+        echo_cfg, plain = load(pair[0]), load(pair[1])
+        assert EchoConfig.from_ds_config(echo_cfg).bits == 4
+        assert {k: v for k, v in echo_cfg.items() if k != "echo"} == plain
+        assert not EchoConfig.from_ds_config(plain).enabled
+    assert load("tp2_cpu_echo4.json")["optimizer"]["params"]["torch_adam"] is True
+    assert load("tp2_cpu_echo4.json")["tensor_parallel"]["autotp_size"] == 2
+    assert load("tp4_gpu_echo4.json")["tensor_parallel"]["autotp_size"] == 4
+    inf = load("inference_tp4_echo4.json")
+    assert EchoConfig.from_ds_config(inf).enabled and inf["tensor_parallel"]["tp_size"] == 4
