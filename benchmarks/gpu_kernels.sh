@@ -1,8 +1,8 @@
 #!/bin/bash
 # Build + test + benchmark of the Echo kernels in one GPU session (the JIT build must not be paid twice).
 #
-#   bash /work/shared/tools/gpu_wheels.sh     # once, on the development machine: fills .whl/
-#   then, on the GPU machine, from the repository root (carry .whl):
+#   From the repository root of a GPU machine. Where that machine lacks deepspeed or pydantic, put
+#   their wheels (for its Python) in .whl/ first: the script installs them into /tmp/site.
 #   OUT=/some/dir bash benchmarks/gpu_kernels.sh
 #
 # Writes to $OUT: env.txt, build.log (cold JIT build, timed), ds_build.log (DeepSpeed's quantizer, built

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Build + test + benchmark of the p2p transport in one GPU session (benchmarks/RESULTS.md, "P2P transport").
 #
-#   bash /work/shared/tools/gpu_wheels.sh          # once, on the development machine: fills .whl/
-#   then on the GPU machine, from the repository root (carry .whl):
+#   From the repository root of a GPU machine. Where that machine lacks deepspeed or pydantic, put
+#   their wheels (for its Python) in .whl/ first: the script installs them into /tmp/site.
 #   OUT=/some/dir bash benchmarks/p2p_gpu.sh
 #
 # Several ranks share the one GPU: MPS is started (and stopped at the end) so that their kernels, the

@@ -80,7 +80,7 @@ BASELINE_NAME = "16bit"
 SCHEMA = "echo_ds.eval.pretrain/1"
 kRepo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # --data default: the first of these that exists (a copy inside the repo first: it travels to a device).
-kDataSearch = (os.path.join(kRepo, ".data", "shakespeare"), "/work/shared/data/shakespeare")
+kDataSearch = (os.path.join(kRepo, ".data", "shakespeare"),)
 kDefaultValPlays = ("tempest", "macbeth")
 kDefaultRuns = ("16bit", "echo4", "4bit-nocomp", "echo8", "echo4-hadamard", "echo4-local")
 kTailSteps = 100                 # Table 7's tail-100
@@ -1080,7 +1080,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="init and data order (the same for every run)")
     g.add_argument("--data", default=default_data_dir(),
                    help="directory of the Shakespeare plays, one .txt each (default: ./.data/shakespeare, "
-                        "else /work/shared/data/shakespeare; or $ECHO_SHAKESPEARE_DIR)")
+                        "or $ECHO_SHAKESPEARE_DIR)")
     g.add_argument("--val-plays", default=",".join(kDefaultValPlays), help="held-out file stems (default "
                    "tempest,macbeth)")
     g.add_argument("--val-tokens", type=int, default=32768, help="validation tokens per periodic evaluation")
