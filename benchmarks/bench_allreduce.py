@@ -138,7 +138,7 @@ def main(argv=None):
             buffer = None
 
     def implementation(row):
-        spec = QuantSpec(bits=8 if row.endswith("-8") else 4, rotation=row.endswith("+rot"))
+        spec = QuantSpec(bits=8 if row.endswith("-8") else 4, rotation=row.endswith("+rot"))  # paper rows
         if row == "nccl-16":
             def run(x):
                 y = x.clone()
@@ -150,9 +150,10 @@ def main(argv=None):
         if row in ("p2p-8", "p2p-4", "p2p-4+rot"):
             return (lambda x: buffer.all_reduce(x, spec)), spec
         if row == "p2p-4+unfused":
-            return unfused_compensated(lambda x: buffer.all_reduce(x, spec), DirectionConfig()), None
+            return unfused_compensated(lambda x: buffer.all_reduce(x, spec),
+                                       DirectionConfig(residual="output")), None
         if row == "p2p-4+fused":
-            comp = make_compensator(DirectionConfig())
+            comp = make_compensator(DirectionConfig(residual="output"))
             return (lambda x: buffer.all_reduce(x, spec, compensator=comp)), None
         raise ValueError(f"unknown row {row!r}")
 

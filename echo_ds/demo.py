@@ -38,9 +38,11 @@ def _rank_main(rank, world_size, port, args, queue):
     offset = torch.randn(args.numel, generator=gen) * 0.5
     sites = [offset + torch.randn(args.numel, generator=gen) for _ in range(args.sites)]
     rows = []
-    for name, section in (("no compensation", {"forward": {"compensate": False}}),
-                          ("echo (paper defaults)", {}),
-                          ("echo, residual local, gain 1", {"forward": {"residual": "local", "gain": 1.0}})):
+    paper = {"rotation": "none", "forward": {"residual": "output", "gain": 0.75}}
+    for name, section in (("no compensation", {"rotation": "none", "forward": {"compensate": False}}),
+                          ("echo, the paper's method", paper),
+                          ("echo, residual local, gain 1", {"rotation": "none"}),
+                          ("echo defaults (+ hadamard)", {})):
         cfg = EchoConfig(bits=args.bits, **section)
         comp = make_compensator(cfg.forward)
         spec = cfg.quant_spec()

@@ -10,10 +10,13 @@ from echo_ds.config import EchoConfig, EchoConfigError
 def test_defaults_are_the_documented_schema():
     cfg = EchoConfig()
     assert cfg.enabled and cfg.bits == 4 and cfg.group_size == 128 and cfg.quantizer == "zero_aware"
-    assert cfg.rotation == "none" and cfg.backend == "auto" and cfg.min_message_bytes == 0
-    for d in (cfg.forward, cfg.backward):
+    assert cfg.rotation == "hadamard" and cfg.backend == "auto" and cfg.min_message_bytes == 0
+    for d, gain in ((cfg.forward, 1.0), (cfg.backward, 0.75)):
         assert (d.compensate, d.gain, d.blend, d.slow_decay, d.fast_decay, d.residual) == \
-            (True, 0.75, 0.35, 0.7, 0.3, "output")
+            (True, gain, 0.35, 0.7, 0.3, "local")
+    # A partial direction section keeps that direction's own defaults.
+    assert EchoConfig(forward={"blend": 0.4}).forward.gain == 1.0
+    assert EchoConfig(backward={"blend": 0.4}).backward.gain == 0.75
     assert cfg.backward.pow2_rescale and not hasattr(cfg.forward, "pow2_rescale")
     assert (cfg.early_sites.bits, cfg.early_sites.fraction) == (8, 0.0)
 
@@ -54,7 +57,7 @@ def test_from_ds_config_sources(tmp_path):
     path.write_text(json.dumps(ds))
     for source in (ds, path, str(path)):
         cfg = EchoConfig.from_ds_config(source)
-        assert cfg.bits == 8 and cfg.forward.residual == "local" and cfg.backward.residual == "output"
+        assert cfg.bits == 8 and cfg.forward.residual == "local" and cfg.backward.gain == 0.75
     assert EchoConfig.from_ds_config({"bits": 8}).bits == 8  # a bare section
     assert not EchoConfig.from_ds_config({"train_batch_size": 8}).enabled  # no section: off
     with pytest.raises(EchoConfigError, match="echo.bits=5"):

@@ -218,7 +218,7 @@ def _scenarios(rank, world_size, shm_port):
     for visits_of_pass in (pass1, pass2):
         states = {"forward": make_compensator(rt.config.forward), "backward": make_compensator(rt.config.backward)}
         for direction, _, xin, bits, pow2, y in visits_of_pass:
-            y_again = echo_all_reduce(xin, QuantSpec(bits=bits, group_size=rt.config.group_size), group=rt.group,
+            y_again = echo_all_reduce(xin, rt.config.quant_spec(bits), group=rt.group,
                                       compensator=states[direction], pow2_rescale=pow2)
             replay_equal.append(torch.equal(y, y_again))
     res["replay_equal"] = replay_equal

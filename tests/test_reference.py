@@ -27,11 +27,11 @@ def cases():
         ("8bit-bf16", QuantSpec(8, 128), None, False, torch.bfloat16, (3, 200)),
         ("fp16-tiny", QuantSpec(4, 16), None, False, torch.float16, (3,)),
         ("rot", QuantSpec(4, 64, rotation=True), None, False, torch.float32, (2, 300)),
-        ("comp-output", QuantSpec(4, 64), DirectionConfig(), False, torch.bfloat16, (4, 100)),
+        ("comp-output", QuantSpec(4, 64), DirectionConfig(residual="output"), False, torch.bfloat16, (4, 100)),
         ("comp-local", QuantSpec(4, 64), DirectionConfig(residual="local"), False, torch.float32, (4, 100)),
         ("comp-local-rot-pow2", QuantSpec(4, 32, rotation=True), DirectionConfig(residual="local"), True,
          torch.float32, (6, 50)),
-        ("comp-output-rot-pow2-8", QuantSpec(8, 64, "symmetric", True), DirectionConfig(gain=1.0), True,
+        ("comp-output-rot-pow2-8", QuantSpec(8, 64, "symmetric", True), DirectionConfig(gain=1.0, residual="output"), True,
          torch.bfloat16, (7, 33)),
     ]
     return out
@@ -162,7 +162,7 @@ def test_pow2_rescaling_is_exact():
 
 
 def test_pow2_keeps_the_compensator_in_gradient_units():
-    cfg = EchoConfig(backward={"residual": "local"})
+    cfg = EchoConfig(rotation="none", backward={"residual": "local"})
     op = CompensatedAllReduce(4, cfg, "backward")
     parts = torch.randn(4, 512) * 1e-7
     op(parts)
@@ -240,7 +240,8 @@ def test_compensation_reduces_the_accumulated_error_of_a_residual_stream():
     gen = torch.Generator().manual_seed(5)
     draws = [torch.randn(P, 4096, generator=gen) + 0.5 for _ in range(N)]
     dev = {}
-    for name, cfg in (("none", EchoConfig(forward={"compensate": False})), ("echo", EchoConfig())):
+    paper = EchoConfig(rotation="none", forward={"residual": "output", "gain": 0.75})
+    for name, cfg in (("none", EchoConfig(rotation="none", forward={"compensate": False})), ("echo", paper)):
         op = CompensatedAllReduce(P, cfg)
         z = torch.zeros(4096)
         for parts in draws:
@@ -261,8 +262,10 @@ def test_reset_and_resize():
 
 
 def test_telemetry_records_the_revealed_error():
+    # A whole number of groups: with the rotation on, the error of padded lanes would otherwise rotate
+    # partly into the discarded padding.
     op = CompensatedAllReduce(4, EchoConfig(telemetry=True))
-    parts = torch.randn(4, 1000)
+    parts = torch.randn(4, 1024)
     y = op(parts)
     assert len(op.compensator.revealed_error_norms) == 1
     assert math.isclose(op.compensator.revealed_error_norms[0], (y - parts.sum(0)).norm().item(), rel_tol=1e-4)

@@ -17,4 +17,5 @@ the default model.
 # Subcommand name -> module; a later subcommand (e.g. "pretrain") adds one line here.
 SUBCOMMANDS = {
     "perplexity": "echo_ds.eval.perplexity",
+    "pretrain": "echo_ds.eval.pretrain",
 }

@@ -1,7 +1,7 @@
 """``python -m echo_ds.eval <subcommand> ...``: dispatch to the subcommands of :mod:`echo_ds.eval`.
 
     python -m echo_ds.eval perplexity --help
-    python -m echo_ds.eval perplexity --echo-config ds_configs/eval/ --json docs/results/smollm2_tp4.json
+    python -m echo_ds.eval perplexity --echo-config ds_configs/eval/ --json docs/results/smollm2_tp4_table8.json
 """
 
 from __future__ import annotations

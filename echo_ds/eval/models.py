@@ -49,11 +49,18 @@ def smollm2_gguf_path() -> str:
     return path
 
 
+def _dtype_kwarg(dtype: torch.dtype) -> dict:
+    """``from_pretrained``'s dtype keyword: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
 def _load_gguf(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     directory, filename = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, **_dtype_kwarg(dtype))
     return model, tokenizer
 
 
@@ -76,7 +83,7 @@ def load_model(name_or_path: str = "smollm2", dtype: torch.dtype = torch.float32
         from transformers import AutoModelForCausalLM, AutoTokenizer
         source = name_or_path
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **_dtype_kwarg(dtype))
         name = os.path.basename(os.path.normpath(name_or_path))
     else:
         raise FileNotFoundError(f"--model {name_or_path!r}: use 'smollm2', a local Hugging Face model "

@@ -9,9 +9,10 @@ agreement are measured against it on every predicted position.
 
 Examples (from the repository root)::
 
-    # the 16-bit baseline and the shipped configs, SmolLM2-135M at P=4, 4096 tokens (CPU: ~10 min)
+    # docs/accuracy.md's main table: the 16-bit baseline and the 48 configs of ds_configs/eval/,
+    # SmolLM2-135M at P=4, 4096 tokens (about 13 min on an idle 2-core CPU)
     python -m echo_ds.eval perplexity --echo-config ds_configs/eval/ --tokens 4096 --seq-len 512 \\
-        --json docs/results/smollm2_tp4.json --plot docs/results/smollm2_tp4.png
+        --json docs/results/smollm2_tp4_table8.json --plot smollm2_tp4_table8.png
 
     # two named configs on a local model directory and another text, on a GPU
     python -m echo_ds.eval perplexity --model /path/to/hf_model --text my_text.txt --device cuda \\
@@ -231,26 +232,47 @@ def markdown_table(results: list) -> str:
     return "\n".join(lines)
 
 
+def pareto_front(results: list) -> list:
+    """Names of the results that no other beats on both wire bits and perplexity (ties kept)."""
+    front = []
+    for r in results:
+        beaten = any(o["wire_bits_per_element"] <= r["wire_bits_per_element"] and o["ppl"] < r["ppl"]
+                     and (o["wire_bits_per_element"], o["ppl"]) != (r["wire_bits_per_element"], r["ppl"])
+                     for o in results)
+        if not beaten:
+            front.append(r["name"])
+    return front
+
+
 def plot_results(results: list, path: str, title: str) -> None:
-    """Perplexity against bits on the wire per element, one labelled point per variant."""
+    """Perplexity against bits on the wire per element; the Pareto front labelled, the rest in grey."""
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ref = next(r["ppl"] for r in results if r["name"] == BASELINE_NAME)
+    front = set(pareto_front(results))
     fig, ax = plt.subplots(figsize=(9, 6))
-    xs = [r["wire_bits_per_element"] for r in results]
-    ys = [r["ppl"] for r in results]
-    ax.scatter(xs, ys, s=18, zorder=3)
-    for r, x, y in zip(results, xs, ys):
-        ax.annotate(r["name"], (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    num_labels = 0
+    for r in results:
+        on_front = r["name"] in front
+        ax.scatter(r["wire_bits_per_element"], r["ppl"], s=22 if on_front else 12, zorder=3,
+                   color="tab:blue" if on_front else "tab:gray", alpha=1.0 if on_front else 0.6)
+        if on_front:  # alternate above and below the point so that close neighbours stay legible
+            ax.annotate(r["name"], (r["wire_bits_per_element"], r["ppl"]), fontsize=7,
+                        xytext=(4, 4 if num_labels % 2 == 0 else -10), textcoords="offset points")
+            num_labels += 1
     ax.axhline(ref, color="gray", linestyle="--", linewidth=0.8, label=f"16-bit ppl {ref:.2f}")
     ax.axhline(ref * 1.05, color="gray", linestyle=":", linewidth=0.8, label="16-bit + 5%")
+    ys = [r["ppl"] for r in results]
     if max(ys) / min(ys) > 1.5:
         ax.set_yscale("log")
     ax.set_xlabel("bits on the wire per element (codes + fp16 scale and zero-point per group)")
     ax.set_ylabel("perplexity")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)) + "\n(labelled: the Pareto front; grey: the other configs)",
+                 fontsize=8)
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -285,6 +307,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              ".json files; the 16bit baseline is always included")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="plot perplexity against bits on the wire")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice, one per core)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
@@ -297,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--tokens {args.tokens} must be at least 2")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     variants = parse_variant_specs(args.echo_config)
     text = read_text(args.text)
     dtype = parse_dtype(args.dtype)
