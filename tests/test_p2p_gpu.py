@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests import p2p_suite
-from tests.p2p_harness import run_with_dying_rank
+from tests.utils import run_with_dying_rank
 from tests.utils import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests import p2p_suite
-from tests.p2p_harness import run_with_dying_rank
+from tests.utils import run_with_dying_rank
 from tests.utils import run_distributed
 
 HOST_CFG = {

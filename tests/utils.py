@@ -1,9 +1,13 @@
-"""The one spawn harness of the test suite: P gloo ranks on free ports, every one must exit 0.
+"""The one spawn harness of the test suite: P gloo ranks on free ports.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes with the "spawn" context,
 initialises a gloo process group in each and calls ``fn(rank, world_size, *args)``. What each rank
 returns is collected (it must pickle). A rank that raises fails the test with its traceback; a rank that
-hangs past ``timeout`` seconds fails it too, instead of hanging the suite.
+hangs past ``timeout`` seconds fails it too, instead of hanging the suite. Every rank must exit 0.
+
+``run_with_dying_rank(fn, world_size, *args)`` is the same for tests in which rank P - 1 kills itself
+mid-call: the survivors report and exit without touching the group again, and the dead rank's exit code
+is checked instead.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, clean_exit):
     import torch
     import torch.distributed as dist
 
@@ -33,31 +37,32 @@ def _worker(rank, world_size, port, fn, args, queue):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
         result = fn(rank, world_size, *args)
-        dist.barrier()
-        dist.destroy_process_group()
+        if clean_exit:
+            dist.barrier()
+            dist.destroy_process_group()
         # Plain pickle, not torch's shared-memory reducers: a rank may exit before the parent reads.
         queue.put((rank, "ok", pickle.dumps(result)))
-        queue.close()
-        queue.join_thread()
+        status = 0
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
-        queue.close()
-        queue.join_thread()  # flush the report before the hard exit
-        os._exit(1)
+        status = 1
+    queue.close()
+    queue.join_thread()  # flush the report before the hard exit
+    if status or not clean_exit:
+        os._exit(status)  # without clean_exit a peer is dead: no barrier, no destroy
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = kDefaultTimeout):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
+def _run(fn, world_size, args, timeout, num_reports, clean_exit):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, clean_exit), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
     try:
-        for _ in range(world_size):
+        for _ in range(num_reports):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
                 results[rank] = pickle.loads(payload)
@@ -76,7 +81,22 @@ def run_distributed(fn, world_size: int, *args, timeout: float = kDefaultTimeout
                 p.join(timeout=5)
     if errors:
         raise AssertionError("\n".join(errors))
+    return procs, results
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = kDefaultTimeout):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
+    procs, results = _run(fn, world_size, args, timeout, world_size, clean_exit=True)
     bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
     if bad:
         raise AssertionError(f"ranks exited with codes {bad}")
     return [results[r] for r in range(world_size)]
+
+
+def run_with_dying_rank(fn, world_size: int, *args, timeout: float = kDefaultTimeout, dead_exit_code: int = 17):
+    """Results of the surviving ranks 0 .. P-2; rank P - 1 must exit with ``dead_exit_code``."""
+    procs, results = _run(fn, world_size, args, timeout, world_size - 1, clean_exit=False)
+    code = procs[-1].exitcode
+    if code != dead_exit_code:
+        raise AssertionError(f"rank {world_size - 1} exited with {code}, expected {dead_exit_code}")
+    return [results[r] for r in range(world_size - 1)]
