@@ -43,6 +43,7 @@ import sys
 
 import deepspeed
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
@@ -175,6 +176,10 @@ def main():
         counters = {"forward_calls": 0, "backward_calls": 0, "bytes_sent": 0, "bytes_16bit": 0}
     if rank == 0:
         print(json.dumps({"final_loss": final_loss, "steps": args.steps, "tp": tp, "echo": counters}), flush=True)
+    # An orderly teardown: a process group left to the interpreter's exit can abort in its threads.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
