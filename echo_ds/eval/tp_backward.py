@@ -249,13 +249,8 @@ class BackwardSites:
         self.num_reduces += 1
         if self._op is None:
             return exact_reduce(parts)
-        from echo_ds.quant import wire_bytes
-        numel = parts[0].numel()
         bits = self.config.bits  # early-site bits are a forward-pass setting (EchoConfig.bits_for_site)
-        self.stats.num_elements += numel
-        self.stats.num_wire_bytes += wire_bytes(numel, bits, self.config.group_size)
-        self.stats.num_calls += 1
-        self.stats.bits_per_site[site_index] = bits
+        self.stats.record(parts[0].numel(), bits, self.config.group_size, site_index)
         return self._op(parts, bits=bits)
 
     def _fan_out(self, plan: ColumnSitePlan, x: torch.Tensor) -> tuple:

@@ -219,6 +219,15 @@ class WireStats:
     def bits_per_element(self) -> float:
         return 8.0 * self.num_wire_bytes / self.num_elements if self.num_elements else float("nan")
 
+    def record(self, numel: int, bits: int, group_size: int, site_index: int) -> None:
+        """Account one reduce of ``numel`` elements at ``bits`` on the wire."""
+        from echo_ds.quant import wire_bytes
+
+        self.num_elements += numel
+        self.num_wire_bytes += wire_bytes(numel, bits, group_size)
+        self.num_calls += 1
+        self.bits_per_site[site_index] = bits
+
 
 class TPEmulator:
     """Owns the emulated TP sites of one model: installs them, runs the reduce, restores the model.
@@ -310,12 +319,7 @@ class TPEmulator:
         if self.config is None:
             return parts.sum(0)
         bits = self.bits_for_site(site_index)
-        from echo_ds.quant import wire_bytes
-        numel = parts[0].numel()
-        self.stats.num_elements += numel
-        self.stats.num_wire_bytes += wire_bytes(numel, bits, self.config.group_size)
-        self.stats.num_calls += 1
-        self.stats.bits_per_site[site_index] = bits
+        self.stats.record(parts[0].numel(), bits, self.config.group_size, site_index)
         return _EmulatedForwardReduce.apply(parts, self._op(direction), bits)
 
     def _site_forward(self, plan: SitePlan):
