@@ -361,6 +361,35 @@ def test_dequantize(ops, dtype, bits, rotation, g):
     assert bool(torch.isnan(y.reshape(-1)[:g].float()).all()), "a NaN group decodes to NaN in full"
 
 
+@pytest.mark.parametrize("rotation", [False, True])
+def test_dequantize_tiles_and_unaligned_output(ops, rotation):
+    """Tiles of (segments, groups) written one after the other, into an output view at an odd offset (the
+    scalar store path of the rotated pairs), give the whole call's bits."""
+    gen = torch.Generator(device=dev()).manual_seed(7 + rotation)
+    P, g = 4, 128
+    spec = QuantSpec(bits=4, group_size=g, rotation=rotation)
+    numel = 70_001
+    layout = C.Layout(numel, P, g)
+    G = layout.groups_per_segment
+    codes, scale, zero = C.quantize_segments(random_groups(P * G, g, gen).view(P, G, g), spec)
+    buf = poison_packets(P, layout, spec, ops)
+    for j in range(P):
+        kc, ks, kz = ops.packet_views(buf[j], layout, spec)
+        kc.copy_(codes[j].reshape(kc.shape)), ks.copy_(scale[j]), kz.copy_(zero[j])
+    table = ops.packet_table(list(buf), layout, spec)
+    whole = torch.full((numel,), float("nan"), dtype=torch.bfloat16, device=dev())
+    ops.dequantize(whole, world_size=P, spec=spec, gathered=table)
+    base = torch.full((numel + 1,), float("nan"), dtype=torch.bfloat16, device=dev())
+    tiled = base[1:]
+    for sb, ns in ((0, 1), (1, 3)):
+        for b in range(0, G, 29):
+            ops.dequantize(tiled, world_size=P, spec=spec, gathered=table, segment_begin=sb, num_segments=ns,
+                           group_begin=b, num_groups=min(29, G - b))
+    torch.cuda.synchronize()
+    assert_same(tiled, whole, "tiled, unaligned y")
+    assert not bool(torch.isnan(whole.float()).any()), "every element of y is written"
+
+
 # ----------------------------------------------------------------------------------------------------
 # Compensator update
 # ----------------------------------------------------------------------------------------------------
