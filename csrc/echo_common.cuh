@@ -16,10 +16,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <string>
-#include <utility>
 
 #include "echo_api.cuh"
 #include "echo_check.cuh"
@@ -395,35 +392,24 @@ __device__ __forceinline__ void group_stats(const float (&v)[kElemsPerThread], f
   finite = is_finite(mn) && is_finite(mx);
 }
 
-// Integer <-> fp32 through the fp32 adder instead of the conversion unit (F2I / I2F issue at an eighth of
-// the rate of an add on sm_90, and the entry converts every element once, the reduce P - 1 times):
-//   rint:  for t in [0, 2^22], t + 1.5 * 2^23 lies in [2^23, 2^24), where the ulp is 1, so the one
-//          rounding of the add is round-half-to-even of t, and the integer sits in the low mantissa bits
-//          (1.5 * 2^23 is even, so the parity of the sum is the parity of the rounded t);
-//   float: the pattern 2^23 | q (q < 2^23) is the float 2^23 + q, and subtracting 2^23 is exact.
-constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
-constexpr float kTwoPow23 = 8388608.0f;
-constexpr uint32_t kTwoPow23Bits = 0x4B000000u;
-
 // codes of v under p (quant.encode): clip(rint(v * inv + z), q_min, 2^b - 1), 0 for a non-finite group.
-// NOTE: the clip runs before the rounding; with integer bounds clip(rint(t)) == rint(clip(t)) because
-// rint is monotone and fixes integers. t is never NaN in a finite group (|v| <= amax, inv <= 2^24 and
-// finite), and a non-finite group's codes are masked to 0, so fminf/fmaxf (which drop NaN) are safe.
 template <int kBits>
 __device__ __forceinline__ Codes<kBits> encode(const float (&v)[kElemsPerThread], const GroupParams& p,
                                                Policy policy) {
   constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
   constexpr int kPerWord = 32 / kBits;
-  const float q_min = (policy == Policy::kSymmetric) ? 1.0f : 0.0f;
-  const uint32_t keep = p.finite ? kMaxCode : 0u;
+  const uint32_t q_min = (policy == Policy::kSymmetric) ? 1u : 0u;
   Codes<kBits> c;
 #pragma unroll
   for (int k = 0; k < Codes<kBits>::kWords; ++k) c.w[k] = 0u;
 #pragma unroll
   for (int i = 0; i < kElemsPerThread; ++i) {
     const float t = f_add(f_mul(v[i], p.inv), p.zero);
-    const float clipped = fminf(fmaxf(t, q_min), float(kMaxCode));
-    const uint32_t code = __float_as_uint(f_add(clipped, kRoundMagic)) & keep;
+    // cvt.rni.u32 rounds half to even and saturates (negatives to 0), so with the integer min/max it
+    // equals clip(rint(t), q_min, 2^b - 1) for every finite t.
+    uint32_t code = __float2uint_rn(t);
+    code = max(min(code, kMaxCode), q_min);
+    code = p.finite ? code : 0u;
     c.w[i / kPerWord] |= code << (kBits * (i % kPerWord));
   }
   return c;
@@ -434,8 +420,7 @@ template <int kBits>
 __device__ __forceinline__ void decode(const Codes<kBits>& c, float scale, float zero, float (&v)[kElemsPerThread]) {
 #pragma unroll
   for (int i = 0; i < kElemsPerThread; ++i) {
-    const float q = f_sub(__uint_as_float(kTwoPow23Bits | code_at<kBits>(c, i)), kTwoPow23);  // float(q), exact
-    v[i] = f_mul(f_sub(q, zero), scale);
+    v[i] = f_mul(f_sub(static_cast<float>(code_at<kBits>(c, i)), zero), scale);
   }
 }
 
@@ -561,259 +546,6 @@ inline unsigned num_blocks(int64_t num_threads) {
   const int64_t blocks = (num_threads + kThreadsPerBlock - 1) / kThreadsPerBlock;
   ECHO_HOST_ASSERT(blocks < (int64_t(1) << 31), "launch too large");
   return static_cast<unsigned>(blocks < 1 ? 1 : blocks);
-}
-
-
-// ---------------------------------------------------------------------------------------------------
-// Grid-stride loops with one item of look-ahead (entry, dequantize).
-// ---------------------------------------------------------------------------------------------------
-// The entry and the dequantize kernels run a grid of resident blocks only (persistent_blocks below);
-// each thread walks (segment, work) pairs with a stride of the whole grid and issues the loads of its
-// next pair before it processes the current one, so the wait for memory overlaps the per-group chain of
-// shuffles and divisions. One pair per thread and launch measured 57 % of the copy bandwidth on the
-// H200 (benchmarks/RESULTS.md, run 1): a thread's loads could only start when the previous thread of its
-// slot had finished all of its arithmetic.
-//
-// work = group * kLanes + lane inside a segment, so a thread's lane never changes (the stride and the
-// work per segment are multiples of kLanes) and the lanes of a group always walk together, as the
-// group's shuffles need.
-struct GridCursor {
-  int seg;    // 0 .. num_segments; num_segments means done
-  int64_t w;  // work item inside the segment
-
-  __device__ __forceinline__ void normalize(int64_t per_segment, int num_segments) {
-    while (seg < num_segments && w >= per_segment) {
-      w -= per_segment;
-      ++seg;
-    }
-  }
-  __device__ __forceinline__ static GridCursor first(int64_t per_segment, int num_segments) {
-    GridCursor c{0, int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x};
-    c.normalize(per_segment, num_segments);
-    return c;
-  }
-  __device__ __forceinline__ GridCursor next(int64_t per_segment, int num_segments) const {
-    GridCursor c{seg, w + int64_t(gridDim.x) * kThreadsPerBlock};
-    c.normalize(per_segment, num_segments);
-    return c;
-  }
-};
-
-// One thread's 16 elements of an input array in T as loaded (16-byte words), converted when used.
-template <typename T>
-struct Chunk {
-  static constexpr int kPerVec = 16 / sizeof(T);
-  static constexpr int kVecs = kElemsPerThread / kPerVec;
-  uint4 w[kVecs];
-  bool vec;  // false: the scalar path reads at conversion time (an unaligned view, or the tensor's tail)
-};
-template <typename T>
-__device__ __forceinline__ void chunk_load(Chunk<T>& c, const T* __restrict__ p, int64_t e, int64_t numel,
-                                           bool vec_ok) {
-  c.vec = vec_ok && e + kElemsPerThread <= numel;
-  if (c.vec) {
-    const uint4* q = reinterpret_cast<const uint4*>(p + e);
-#pragma unroll
-    for (int k = 0; k < Chunk<T>::kVecs; ++k) c.w[k] = q[k];
-  }
-}
-// As load16: p[e .. e + 16) as fp32, zeros past numel.
-template <typename T>
-__device__ __forceinline__ void chunk_values(const Chunk<T>& c, const T* __restrict__ p, int64_t e, int64_t numel,
-                                             float (&v)[kElemsPerThread]) {
-  if (c.vec) {
-#pragma unroll
-    for (int k = 0; k < Chunk<T>::kVecs; ++k) unpack_vec(c.w[k], v + k * Chunk<T>::kPerVec, T());
-  } else {
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) v[i] = (e + i < numel) ? to_f32(p[e + i]) : 0.0f;
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// The Hadamard transform with half the shuffles, and where it leaves the elements.
-// ---------------------------------------------------------------------------------------------------
-// fwht() above keeps every element in place: a cross-lane stage sends all 16 registers to the partner
-// lane (16 shuffles), because each lane needs all of its partner's values. fwht_swapped() does the same
-// butterflies in the same order with the same operands, but each cross-lane stage first exchanges one
-// register bit with the lane bit of that stage (8 shuffles: the lower lane sends its upper half, the upper
-// lane its lower half) and then runs the butterfly inside the registers. Shuffles issue at a quarter of
-// the rate of an add on sm_90; on the H200 the in-place version made the rotated entry 22 % and the
-// rotated dequantize 68 % slower than the plain ones (benchmarks/RESULTS.md, run 1).
-//
-// Afterwards the elements are permuted: lane bit s (s < kSwaps) holds index bit 3 - s and register bit
-// 3 - s holds index bit 4 + s; register bit 0 keeps index bit 0, so registers 2p and 2p + 1 are always
-// neighbours (index 2j and 2j + 1). With 16 lanes (g = 256) the fourth lane bit keeps a plain stage.
-// ElementMap says which element of the group each register holds; every load and store after the
-// rotation goes through it (fp32 pairs, 4-bit code bytes, 8-bit code half-words, output pairs).
-template <int kLanes>
-struct SwapPlan {
-  static constexpr int kLaneBits = kLanes == 4 ? 2 : (kLanes == 8 ? 3 : 4);
-  static constexpr int kSwaps = kLaneBits < 3 ? kLaneBits : 3;
-  static_assert(kLanes == 4 || kLanes == 8 || kLanes == 16, "the swapped transform is built for g = 64, 128, 256");
-  static_assert(kElemsPerThread == 16, "the swap plan assumes four register bits");
-
-  // Index bits (within the group) of register r, and of lane l, after fwht_swapped.
-  __host__ __device__ static constexpr int reg_part(int r) {
-    int idx = r & 1;
-    for (int b = 1; b < 4; ++b) {
-      if ((r >> b) & 1) idx |= (3 - b < kSwaps) ? (1 << (4 + 3 - b)) : (1 << b);
-    }
-    return idx;
-  }
-  __host__ __device__ static constexpr int lane_part(int l) {
-    int idx = 0;
-    for (int s = 0; s < kLaneBits; ++s) {
-      if ((l >> s) & 1) idx |= (s < kSwaps) ? (1 << (3 - s)) : (1 << (4 + s));
-    }
-    return idx;
-  }
-};
-
-// Where register r of lane `lane` lives inside its group: in place (lane * 16 + r), or as fwht_swapped
-// leaves it.
-template <int kLanes, bool kSwapped>
-struct ElementMap {
-  static constexpr bool kContiguous = !kSwapped;  // the thread's 16 elements are one 64-byte run
-  int lane_part;
-  __device__ __forceinline__ explicit ElementMap(int lane)
-      : lane_part(kSwapped ? SwapPlan<kLanes>::lane_part(lane) : lane * kElemsPerThread) {}
-  __device__ __forceinline__ int index(int r) const {
-    return lane_part + (kSwapped ? SwapPlan<kLanes>::reg_part(r) : r);
-  }
-};
-
-template <int kLanes>
-__device__ __forceinline__ void fwht_swapped(float (&v)[kElemsPerThread], int lane) {
-#pragma unroll
-  for (int h = 1; h < kElemsPerThread; h *= 2) {
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) {
-      if ((i & h) == 0) {
-        const float a = v[i];
-        const float b = v[i + h];
-        v[i] = f_add(a, b);
-        v[i + h] = f_sub(a, b);
-      }
-    }
-  }
-  const unsigned mask = group_mask<kLanes>();
-#pragma unroll
-  for (int s = 0; s < SwapPlan<kLanes>::kSwaps; ++s) {
-    const int reg_bit = 1 << (3 - s);
-    const bool upper = (lane >> s) & 1;
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) {
-      if ((i & reg_bit) == 0) {
-        // The lower lane keeps its lower half and receives the partner's lower half into its upper half;
-        // the upper lane the other way round. Then a is the element whose index bit 4 + s is 0.
-        const float recv = __shfl_xor_sync(mask, upper ? v[i] : v[i + reg_bit], 1 << s);
-        const float a = upper ? recv : v[i];
-        const float b = upper ? v[i + reg_bit] : recv;
-        v[i] = f_add(a, b);
-        v[i + reg_bit] = f_sub(a, b);
-      }
-    }
-  }
-  if constexpr (SwapPlan<kLanes>::kLaneBits == 4) {  // index bit 7: a plain stage between lanes l and l ^ 8
-    const bool upper = (lane & 8) != 0;
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) {
-      const float other = __shfl_xor_sync(mask, v[i], 8);
-      v[i] = upper ? f_sub(other, v[i]) : f_add(v[i], other);
-    }
-  }
-}
-
-// The sign bits of the 16 elements a thread holds under `map` (bit r: register r is multiplied by -1).
-template <int kLanes, bool kSwapped>
-__device__ __forceinline__ uint32_t mapped_signs(const HadamardSpec& h, const ElementMap<kLanes, kSwapped>& map) {
-  uint32_t signs = 0u;
-#pragma unroll
-  for (int r = 0; r < kElemsPerThread; ++r) {
-    const int idx = map.index(r);
-    signs |= ((h.sign_bits[idx / 32] >> (idx % 32)) & 1u) << r;
-  }
-  return signs;
-}
-
-// fp32 arrays (state, workspaces; 16-byte aligned) at the elements `map` gives, from a group's first element.
-template <int kLanes, bool kSwapped>
-__device__ __forceinline__ void load_f32_mapped(const float* __restrict__ group, const ElementMap<kLanes, kSwapped>& map,
-                                                float (&v)[kElemsPerThread]) {
-  if constexpr (kSwapped) {
-#pragma unroll
-    for (int p = 0; p < kElemsPerThread / 2; ++p) {
-      const float2 t = *reinterpret_cast<const float2*>(group + map.index(2 * p));
-      v[2 * p] = t.x;
-      v[2 * p + 1] = t.y;
-    }
-  } else {
-    load16_f32(group + map.index(0), v);
-  }
-}
-template <int kLanes, bool kSwapped>
-__device__ __forceinline__ void store_f32_mapped(float* __restrict__ group, const ElementMap<kLanes, kSwapped>& map,
-                                                 const float (&v)[kElemsPerThread]) {
-  if constexpr (kSwapped) {
-#pragma unroll
-    for (int p = 0; p < kElemsPerThread / 2; ++p) {
-      *reinterpret_cast<float2*>(group + map.index(2 * p)) = make_float2(v[2 * p], v[2 * p + 1]);
-    }
-  } else {
-    store16_f32(group + map.index(0), v);
-  }
-}
-
-// A group's codes at the elements `map` gives. Registers 2p, 2p + 1 are elements 2j, 2j + 1: with 4-bit
-// codes that is byte j (byte p of the packed words), with 8-bit codes half-word j (half-word p).
-template <int kBits, int kLanes, bool kSwapped>
-__device__ __forceinline__ void store_codes_mapped(uint8_t* __restrict__ group_codes, const ElementMap<kLanes, kSwapped>& map,
-                                                   const Codes<kBits>& c) {
-  if constexpr (!kSwapped) {
-    store_codes<kBits>(group_codes + map.index(0) * kBits / 8, c);
-  } else if constexpr (kBits == 4) {
-#pragma unroll
-    for (int p = 0; p < kElemsPerThread / 2; ++p) {
-      group_codes[map.index(2 * p) / 2] = static_cast<uint8_t>(c.w[p / 4] >> (8 * (p % 4)));
-    }
-  } else {
-#pragma unroll
-    for (int p = 0; p < kElemsPerThread / 2; ++p) {
-      *reinterpret_cast<uint16_t*>(group_codes + map.index(2 * p)) = static_cast<uint16_t>(c.w[p / 2] >> (16 * (p % 2)));
-    }
-  }
-}
-
-// Blocks of `kernel` (256 threads, no dynamic shared memory) that fit on the current device at once,
-// times its SM count: the grid of a persistent launch. Queried once per kernel and device.
-inline int64_t resident_blocks(const void* kernel) {
-  int device = 0;
-  ECHO_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int64_t> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(kernel, device);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  int per_sm = 0;
-  int sms = 0;
-  ECHO_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreadsPerBlock, 0));
-  ECHO_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t blocks = int64_t(per_sm < 1 ? 1 : per_sm) * (sms < 1 ? 1 : sms);
-  cache.emplace(key, blocks);
-  return blocks;
-}
-// kPersistentGrid: cap the grid at the resident blocks (each thread then walks several items, fetching
-// one ahead) or launch one item per thread (the loop runs once). Measured on the H200 (benchmarks/
-// RESULTS.md, 2026-12-02): the capped grid left the 1 GB entry unchanged (0.760 ms) and made the
-// dequantize 2.4x slower (0.943 vs 0.388 ms), so it is off.
-constexpr bool kPersistentGrid = false;
-inline unsigned persistent_blocks(const void* kernel, int64_t num_threads) {
-  const int64_t needed = num_blocks(num_threads);
-  if (!kPersistentGrid) return static_cast<unsigned>(needed);
-  const int64_t resident = resident_blocks(kernel);
-  return static_cast<unsigned>(needed < resident ? needed : resident);
 }
 
 }  // namespace detail
