@@ -115,6 +115,15 @@ def assert_packet(ops, row, layout, spec, codes, scale, zero, what):
     assert_same(kz, zero.reshape(-1), f"{what} zeros", fold_zero_sign=True)
 
 
+def packets_holding(ops, layout, spec, segments):
+    """A packet buffer, poisoned first, whose row j holds segments[j] = (codes, scales, zeros)."""
+    buf = poison_packets(len(segments), layout, spec, ops)
+    for row, (codes, scale, zero) in zip(buf, segments):
+        kc, ks, kz = ops.packet_views(row, layout, spec)
+        kc.copy_(codes.reshape(kc.shape)), ks.copy_(scale), kz.copy_(zero)
+    return buf
+
+
 def make_comp(residual="output", gain=0.75, blend=0.35, slow=0.7, fast=0.3):
     from echo_ds.compensator import Compensator
     from echo_ds.config import DirectionConfig
@@ -301,10 +310,7 @@ def test_owner_reduce(ops, P, bits, policy, g):
     acc = C.ordered_sum(terms)
     codes, scale, zero = C.quantize_segments(acc[None], spec)
 
-    inbuf = poison_packets(P, layout, spec, ops)
-    for r in range(P):
-        kc, ks, kz = ops.packet_views(inbuf[r], layout, spec)
-        kc.copy_(sent[r][0].reshape(kc.shape)), ks.copy_(sent[r][1]), kz.copy_(sent[r][2])
+    inbuf = packets_holding(ops, layout, spec, sent)
     outbuf = poison_packets(P, layout, spec, ops)
     dests = [outbuf[d] if d % 2 == 0 or d == rank else None for d in range(P)]
     residual = poison_f32(S) if local else None
@@ -350,10 +356,7 @@ def test_dequantize(ops, dtype, bits, rotation, g):
     shape = (numel,) if i % 2 else (1, numel)
     y_ref = C.from_segments(C.unrotate_if(s_hat, spec), layout, shape, dtype)
 
-    buf = poison_packets(P, layout, spec, ops)
-    for j in range(P):
-        kc, ks, kz = ops.packet_views(buf[j], layout, spec)
-        kc.copy_(codes[j].reshape(kc.shape)), ks.copy_(scale[j]), kz.copy_(zero[j])
+    buf = packets_holding(ops, layout, spec, list(zip(codes, scale, zero)))
     y = torch.full(shape, float("nan"), dtype=dtype, device=dev())
     ops.dequantize(y, world_size=P, spec=spec, gathered=ops.packet_table(list(buf), layout, spec), pow2_amax=amax)
     torch.cuda.synchronize()
@@ -372,10 +375,7 @@ def test_dequantize_tiles_and_unaligned_output(ops, rotation):
     layout = C.Layout(numel, P, g)
     G = layout.groups_per_segment
     codes, scale, zero = C.quantize_segments(random_groups(P * G, g, gen).view(P, G, g), spec)
-    buf = poison_packets(P, layout, spec, ops)
-    for j in range(P):
-        kc, ks, kz = ops.packet_views(buf[j], layout, spec)
-        kc.copy_(codes[j].reshape(kc.shape)), ks.copy_(scale[j]), kz.copy_(zero[j])
+    buf = packets_holding(ops, layout, spec, list(zip(codes, scale, zero)))
     table = ops.packet_table(list(buf), layout, spec)
     whole = torch.full((numel,), float("nan"), dtype=torch.bfloat16, device=dev())
     ops.dequantize(whole, world_size=P, spec=spec, gathered=table)
@@ -422,10 +422,7 @@ def test_compensator_update_output(ops, dtype, bits, rotation, g):
     comp.update(r - s_hat / P)
     c_next = comp.correction(r.shape, r.device)
 
-    buf = poison_packets(P, layout, spec, ops)
-    for j in range(P):
-        kc, ks, kz = ops.packet_views(buf[j], layout, spec)
-        kc.copy_(codes[j].reshape(kc.shape)), ks.copy_(scale[j]), kz.copy_(zero[j])
+    buf = packets_holding(ops, layout, spec, list(zip(codes, scale, zero)))
     km1, km2 = m1.clone(), m2.clone()
     c_out = poison_f32(padded) if i % 3 else None
     ops.compensator_update_output(x, km1, km2, world_size=P, spec=spec, gathered=ops.packet_table(list(buf), layout, spec),
