@@ -116,6 +116,7 @@ def main():
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None, help="write all numbers here")
+    ap.add_argument("--only", default=None, help="comma-separated row names to time (default: every row)")
     args = ap.parse_args()
 
     import echo_ds.ops as E
@@ -143,6 +144,7 @@ def main():
           f"elementwise kernel {4 * big.numel() / t_kernel / 1e9:.3f} TB/s; ceiling {copy_bw / 1e12:.3f} TB/s")
     del big, big_out
 
+    only = None if args.only is None else set(args.only.split(","))
     rows = []
     sizes = []
     s = parse_bytes(args.min_bytes)
@@ -176,6 +178,8 @@ def main():
         results = {}
 
         def add(name, fn, nbytes, check=""):
+            if only is not None and name not in only:
+                return
             med, lo, hi = time_op(fn, args.reps, args.iters)
             bw = nbytes / (med * 1e-3)
             results[name] = med
@@ -255,13 +259,14 @@ def main():
         add("torch_compensator", torch_comp, 2 * n + 16 * padded + 2 * n)
         del tc, xf, yf
 
-        added = results["entry+comp"] - results["entry"]
-        print(f"{size >> 20:6d} MB  fused compensator on the critical path: +{added:.4f} ms "
-              f"({100 * added / results['entry']:.0f}% of the entry); with the precomputed correction: "
-              f"+{results['entry+corr'] - results['entry']:.4f} ms; rotation: "
-              f"+{100 * (results['entry+rot'] / results['entry'] - 1):.0f}%; unfused PyTorch compensator: "
-              f"{results['torch_compensator']:.4f} ms, fused update (off the critical path): "
-              f"{results['update_output']:.4f} ms")
+        if {"entry", "entry+comp", "entry+corr", "entry+rot", "torch_compensator", "update_output"} <= set(results):
+            added = results["entry+comp"] - results["entry"]
+            print(f"{size >> 20:6d} MB  fused compensator on the critical path: +{added:.4f} ms "
+                  f"({100 * added / results['entry']:.0f}% of the entry); with the precomputed correction: "
+                  f"+{results['entry+corr'] - results['entry']:.4f} ms; rotation: "
+                  f"+{100 * (results['entry+rot'] / results['entry'] - 1):.0f}%; unfused PyTorch compensator: "
+                  f"{results['torch_compensator']:.4f} ms, fused update (off the critical path): "
+                  f"{results['update_output']:.4f} ms")
         del x, m1, m2, corr, u, send, gathered, own, resid, y
         torch.cuda.empty_cache()
 

@@ -24,24 +24,21 @@ __device__ __forceinline__ void update_state(float (&m1)[kElemsPerThread], float
 }
 
 template <typename T, int kBits, int kGroupSize>
-__global__ void __launch_bounds__(kThreadsPerBlock) compensator_update_output_kernel(const CompensatorUpdateOutputArgs a) {
+__global__ void ECHO_KERNEL_BOUNDS(2) compensator_update_output_kernel(const CompensatorUpdateOutputArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
-  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
-  const int64_t item = tid / kLanes;
-  const int lane = static_cast<int>(tid % kLanes);
+  int lane;
+  const int64_t gi = group_in_row<kLanes>(lane);
   const int64_t G = a.layout.groups_per_segment;
-  if (item >= int64_t(a.layout.world_size) * G) return;
-  const int seg = static_cast<int>(item / G);
-  const int64_t gi = item % G;
-  const int64_t e = item * kGroupSize + int64_t(lane) * kElemsPerThread;
+  if (gi >= G) return;
+  const int seg = static_cast<int>(blockIdx.y);
+  const int64_t e = (seg * G + gi) * kGroupSize;  // the group's first element in the padded tensor
 
   float x[kElemsPerThread], m1[kElemsPerThread], m2[kElemsPerThread];
-  load16(static_cast<const T*>(a.x), e, a.layout.numel, aligned16(a.x), x);
-  load16_f32(a.m1 + e, m1);
-  load16_f32(a.m2 + e, m2);
-  const Codes<kBits> codes =
-      load_codes<kBits>(a.in.codes[seg] + gi * kCodeBytes + lane * Codes<kBits>::kBytesPerThread);
+  load_thread<T, kLanes>(static_cast<const T*>(a.x), e, lane, a.layout.numel, aligned16(a.x), x);
+  load_thread_f32<kLanes>(a.m1 + e, lane, m1);
+  load_thread_f32<kLanes>(a.m2 + e, lane, m2);
+  const Codes<kBits> codes = load_codes<kBits, kLanes>(a.in.codes[seg] + gi * kCodeBytes, lane);
   const GroupParams p = params_from_bits(a.in.scales[seg][gi], a.in.zeros[seg][gi]);
 
   if (a.hadamard.enabled) rotate<kLanes>(x, lane, a.hadamard);
@@ -60,17 +57,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock) compensator_update_output_ke
     u[i] = f_sub(r, f_mul(s, inv_world));
   }
   update_state(m1, m2, u, a.coeffs);
-  store16_f32(a.m1 + e, m1);
-  store16_f32(a.m2 + e, m2);
+  store_thread_f32<kLanes>(a.m1 + e, lane, m1);
+  store_thread_f32<kLanes>(a.m2 + e, lane, m2);
   if (a.correction_out != nullptr) {
     float c[kElemsPerThread];
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) c[i] = correction(m1[i], m2[i], a.coeffs);
-    store16_f32(a.correction_out + e, c);
+    store_thread_f32<kLanes>(a.correction_out + e, lane, c);
   }
 }
 
-__global__ void __launch_bounds__(kThreadsPerBlock) compensator_update_local_kernel(const CompensatorUpdateLocalArgs a) {
+__global__ void ECHO_KERNEL_BOUNDS(1) compensator_update_local_kernel(const CompensatorUpdateLocalArgs a) {
   const int64_t e = (int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x) * 4;
   if (e >= a.padded_numel) return;
   const float4 u = *reinterpret_cast<const float4*>(a.u + e);
@@ -104,9 +101,9 @@ void launch_compensator_update_output(const CompensatorUpdateOutputArgs& a, cuda
   ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, (void)kWorld);
   ECHO_DISPATCH_DTYPE(a.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
-    const int64_t threads = padded_numel(a.layout) / kElemsPerThread;
     static_assert(kLanes * kElemsPerThread == kGroup, "lanes cover the group");
-    compensator_update_output_kernel<T, kBits, kGroup><<<num_blocks(threads), kThreadsPerBlock, 0, stream>>>(a);
+    const dim3 grid = grid_of_rows<kLanes>(a.layout.groups_per_segment, a.layout.world_size);
+    compensator_update_output_kernel<T, kBits, kGroup><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     ECHO_CHECK(cudaGetLastError());
   })));
 }

@@ -9,21 +9,18 @@ namespace {
 using namespace detail;
 
 template <typename T, int kBits, int kGroupSize>
-__global__ void __launch_bounds__(kThreadsPerBlock) dequantize_kernel(const DequantizeArgs a) {
+__global__ void ECHO_KERNEL_BOUNDS(5) dequantize_kernel(const DequantizeArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
-  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
-  const int64_t item = tid / kLanes;
-  const int lane = static_cast<int>(tid % kLanes);
-  if (item >= int64_t(a.num_segments) * a.num_groups) return;
-  const int seg = a.segment_begin + static_cast<int>(item / a.num_groups);
-  const int64_t gi = a.group_begin + item % a.num_groups;
-  const int64_t e = int64_t(seg) * a.layout.groups_per_segment * kGroupSize + gi * kGroupSize +
-                    int64_t(lane) * kElemsPerThread;
-  if (!a.hadamard.enabled && e >= a.layout.numel) return;  // all padding (the rotation needs whole groups)
+  int lane;
+  const int64_t item = group_in_row<kLanes>(lane);
+  if (item >= a.num_groups) return;
+  const int seg = a.segment_begin + static_cast<int>(blockIdx.y);
+  const int64_t gi = a.group_begin + item;
+  const int64_t e = int64_t(seg) * a.layout.groups_per_segment * kGroupSize + gi * kGroupSize;  // group start
+  if (e >= a.layout.numel) return;  // the whole group is padding
 
-  const Codes<kBits> codes =
-      load_codes<kBits>(a.in.codes[seg] + gi * kCodeBytes + lane * Codes<kBits>::kBytesPerThread);
+  const Codes<kBits> codes = load_codes<kBits, kLanes>(a.in.codes[seg] + gi * kCodeBytes, lane);
   const GroupParams p = params_from_bits(a.in.scales[seg][gi], a.in.zeros[seg][gi]);
   float v[kElemsPerThread];
   decode<kBits>(codes, p.scale, p.zero, v);
@@ -34,7 +31,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) dequantize_kernel(const Dequ
     for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], down);
   }
   if (a.hadamard.enabled) unrotate<kLanes>(v, lane, a.hadamard);
-  store16(static_cast<T*>(a.out), e, a.layout.numel, aligned16(a.out), v);
+  store_thread<T, kLanes>(static_cast<T*>(a.out), e, lane, a.layout.numel, aligned16(a.out), v);
 }
 
 }  // namespace
@@ -52,8 +49,8 @@ void launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   if (a.num_groups == 0 || a.num_segments == 0) return;
   ECHO_DISPATCH_DTYPE(a.out_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
-    const int64_t threads = int64_t(a.num_segments) * a.num_groups * kLanes;
-    dequantize_kernel<T, kBits, kGroup><<<num_blocks(threads), kThreadsPerBlock, 0, stream>>>(a);
+    const dim3 grid = grid_of_rows<kLanes>(a.num_groups, a.num_segments);
+    dequantize_kernel<T, kBits, kGroup><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     ECHO_CHECK(cudaGetLastError());
   })));
 }

@@ -6,10 +6,20 @@
 // contracted), and the builder also passes -fmad=false. Min/max use fminf/fmaxf, which ignore NaN where
 // torch propagates it: each group therefore carries an explicit non-finite flag.
 //
-// Thread layout: every thread holds kElemsPerThread = 16 consecutive elements of one group; a group of g
-// elements is held by kLanes = g / 16 consecutive lanes of one warp, aligned to kLanes. Group-wide
-// reductions and the cross-lane butterflies of the Hadamard transform are shuffles restricted to the
-// group's lanes (group_mask), so whole groups may leave early without stalling their warp neighbours.
+// Thread layout: a group of g elements is held by kLanes = g / 16 consecutive lanes of one warp, aligned
+// to kLanes, 16 elements per lane as kChunks chunks of kChunkElems = 4 consecutive elements. Chunk c of
+// lane l holds the group's elements
+//
+//     c * (kChunkElems * kLanes) + l * kChunkElems + [0, kChunkElems)          (chunk_offset)
+//
+// so for each chunk the group's lanes together touch one contiguous run of 4 kLanes elements: every
+// warp-wide load or store (16 bytes per lane of fp32, 8 of fp16/bf16) fills whole 32-byte sectors. The
+// first layout (16 consecutive elements per lane, two or four 16-byte accesses with a lane stride of 32 or
+// 64 bytes) used half or a quarter of each sector per instruction; the profile showed the stages bound by
+// L2 requests and by stores draining (docs/kernels.md, "Thread layout"). Register i = c * kChunkElems + j
+// of a lane is element chunk_offset(lane, c) + j of its group. Group-wide reductions and the cross-lane
+// butterflies of the Hadamard transform are shuffles restricted to the group's lanes (group_mask), so
+// whole groups may leave early without stalling their warp neighbours.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -67,10 +77,24 @@
 namespace echo {
 namespace detail {
 
-// 16 elements per thread: a 16-bit input chunk is two 16-byte loads, a fp32 one four, and the thread's
-// codes are one 8-byte (4-bit) or 16-byte (8-bit) store. Chosen by construction, not yet tuned.
+// 16 elements per thread in 4 chunks of 4 (see the thread layout above). ECHO_CHUNK_ELEMS = 8 or 16
+// builds the alternatives that were measured against it (benchmarks/RESULTS.md); 4 is the shipped one.
 constexpr int kElemsPerThread = 16;
-// 256 threads per block: a common choice for streaming kernels; not tuned on the H200 yet.
+#ifndef ECHO_CHUNK_ELEMS
+#define ECHO_CHUNK_ELEMS 4
+#endif
+constexpr int kChunkElems = ECHO_CHUNK_ELEMS;
+constexpr int kChunks = kElemsPerThread / kChunkElems;
+static_assert(kChunkElems == 4 || kChunkElems == 8 || kChunkElems == 16, "chunks of 4, 8 or 16 elements");
+// ECHO_KERNEL_BOUNDS(n): 256 threads per block and at least n resident blocks per SM, which caps the
+// registers at 65536 / (256 n) (n = 4: 64, 5: 48). Each kernel picks its n from the ptxas register and
+// spill report and the occupancy it needs (benchmarks/RESULTS.md); -DECHO_MIN_BLOCKS_PER_SM=n sets every
+// kernel's n, for experiments.
+#ifdef ECHO_MIN_BLOCKS_PER_SM
+#define ECHO_KERNEL_BOUNDS(n) __launch_bounds__(::echo::detail::kThreadsPerBlock, ECHO_MIN_BLOCKS_PER_SM)
+#else
+#define ECHO_KERNEL_BOUNDS(n) __launch_bounds__(::echo::detail::kThreadsPerBlock, n)
+#endif
 constexpr int kThreadsPerBlock = 256;
 constexpr int kWarpSize = 32;
 
@@ -105,6 +129,52 @@ __device__ __forceinline__ unsigned group_mask() {
 // ---------------------------------------------------------------------------------------------------
 // Loads and stores of one thread's 16 elements.
 // ---------------------------------------------------------------------------------------------------
+// First element (within its group) of chunk c of lane `lane`.
+template <int kLanes>
+__device__ __forceinline__ int chunk_offset(int lane, int c) {
+  return c * (kChunkElems * kLanes) + lane * kChunkElems;
+}
+
+// kBytes (2, 4, 8, 16, 32 or 64) of aligned memory <-> 32-bit words (2 bytes: the low half of w[0]).
+template <int kBytes>
+__device__ __forceinline__ void load_bytes(const void* __restrict__ p, uint32_t* w) {
+  if constexpr (kBytes == 2) {
+    w[0] = *static_cast<const uint16_t*>(p);
+  } else if constexpr (kBytes == 4) {
+    w[0] = *static_cast<const uint32_t*>(p);
+  } else if constexpr (kBytes == 8) {
+    const uint2 t = *static_cast<const uint2*>(p);
+    w[0] = t.x;
+    w[1] = t.y;
+  } else {
+    static_assert(kBytes % 16 == 0, "2, 4, 8 or a multiple of 16 bytes");
+#pragma unroll
+    for (int k = 0; k < kBytes / 16; ++k) {
+      const uint4 t = static_cast<const uint4*>(p)[k];
+      w[4 * k] = t.x;
+      w[4 * k + 1] = t.y;
+      w[4 * k + 2] = t.z;
+      w[4 * k + 3] = t.w;
+    }
+  }
+}
+template <int kBytes>
+__device__ __forceinline__ void store_bytes(void* __restrict__ p, const uint32_t* w) {
+  if constexpr (kBytes == 2) {
+    *static_cast<uint16_t*>(p) = static_cast<uint16_t>(w[0]);
+  } else if constexpr (kBytes == 4) {
+    *static_cast<uint32_t*>(p) = w[0];
+  } else if constexpr (kBytes == 8) {
+    *static_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  } else {
+    static_assert(kBytes % 16 == 0, "2, 4, 8 or a multiple of 16 bytes");
+#pragma unroll
+    for (int k = 0; k < kBytes / 16; ++k) {
+      static_cast<uint4*>(p)[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+    }
+  }
+}
+
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -118,133 +188,157 @@ __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2hal
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-__device__ __forceinline__ void unpack_vec(const uint4& w, float* v, float) {
-  v[0] = __uint_as_float(w.x);
-  v[1] = __uint_as_float(w.y);
-  v[2] = __uint_as_float(w.z);
-  v[3] = __uint_as_float(w.w);
-}
-__device__ __forceinline__ void unpack_vec(const uint4& w, float* v, __half) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    v[2 * k] = __half2float(__ushort_as_half(static_cast<unsigned short>(words[k] & 0xffffu)));
-    v[2 * k + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(words[k] >> 16)));
-  }
-}
-__device__ __forceinline__ void unpack_vec(const uint4& w, float* v, __nv_bfloat16) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    // bf16 -> fp32 is the upper half of the fp32 pattern.
-    v[2 * k] = __uint_as_float(words[k] << 16);
-    v[2 * k + 1] = __uint_as_float(words[k] & 0xffff0000u);
-  }
-}
-
-__device__ __forceinline__ uint4 pack_vec(const float* v, float) {
-  return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
-}
-__device__ __forceinline__ uint32_t half_bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
-__device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-__device__ __forceinline__ uint4 pack_vec(const float* v, __half) {
-  uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) w[k] = half_bits(v[2 * k]) | (half_bits(v[2 * k + 1]) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-__device__ __forceinline__ uint4 pack_vec(const float* v, __nv_bfloat16) {
-  uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) w[k] = bf16_bits(v[2 * k]) | (bf16_bits(v[2 * k + 1]) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// v = p[e .. e + 16) as fp32, zeros past numel (the layout's padding). vec_ok: p is 16-byte aligned.
+// One chunk: words of kChunkElems elements of T <-> fp32 (round to nearest even on the way out).
 template <typename T>
-__device__ __forceinline__ void load16(const T* __restrict__ p, int64_t e, int64_t numel, bool vec_ok,
-                                       float (&v)[kElemsPerThread]) {
-  constexpr int kPerVec = 16 / sizeof(T);
-  if (vec_ok && e + kElemsPerThread <= numel) {
-    const uint4* q = reinterpret_cast<const uint4*>(p + e);
-    uint4 w[kElemsPerThread / kPerVec];
-#pragma unroll
-    for (int k = 0; k < kElemsPerThread / kPerVec; ++k) w[k] = q[k];
-#pragma unroll
-    for (int k = 0; k < kElemsPerThread / kPerVec; ++k) unpack_vec(w[k], v + k * kPerVec, T());
-  } else {
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) v[i] = (e + i < numel) ? to_f32(p[e + i]) : 0.0f;
-  }
+__device__ __forceinline__ float word_to_f32(uint32_t w, int half);
+template <>
+__device__ __forceinline__ float word_to_f32<__half>(uint32_t w, int half) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(half ? w >> 16 : w & 0xffffu)));
+}
+template <>
+__device__ __forceinline__ float word_to_f32<__nv_bfloat16>(uint32_t w, int half) {
+  return __uint_as_float(half ? (w & 0xffff0000u) : (w << 16));  // bf16 is the upper half of fp32
+}
+__device__ __forceinline__ uint32_t f32_bits16(float v, __half) { return __half_as_ushort(__float2half_rn(v)); }
+__device__ __forceinline__ uint32_t f32_bits16(float v, __nv_bfloat16) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
 
-// p[e .. min(e + 16, numel)) = v in T (round to nearest even).
 template <typename T>
-__device__ __forceinline__ void store16(T* __restrict__ p, int64_t e, int64_t numel, bool vec_ok,
-                                        const float (&v)[kElemsPerThread]) {
-  constexpr int kPerVec = 16 / sizeof(T);
-  if (vec_ok && e + kElemsPerThread <= numel) {
-    uint4* q = reinterpret_cast<uint4*>(p + e);
+__device__ __forceinline__ void unpack_chunk(const uint32_t* w, float* v) {
 #pragma unroll
-    for (int k = 0; k < kElemsPerThread / kPerVec; ++k) q[k] = pack_vec(v + k * kPerVec, T());
-  } else {
+  for (int j = 0; j < kChunkElems; ++j) {
+    if constexpr (sizeof(T) == 4) {
+      v[j] = __uint_as_float(w[j]);
+    } else {
+      v[j] = word_to_f32<T>(w[j / 2], j % 2);
+    }
+  }
+}
+template <typename T>
+__device__ __forceinline__ void pack_chunk(const float* v, uint32_t* w) {
 #pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) {
-      if (e + i < numel) p[e + i] = from_f32<T>(v[i]);
+  for (int k = 0; k < kChunkElems * int(sizeof(T)) / 4; ++k) {
+    if constexpr (sizeof(T) == 4) {
+      w[k] = __float_as_uint(v[k]);
+    } else {
+      w[k] = f32_bits16(v[2 * k], T()) | (f32_bits16(v[2 * k + 1], T()) << 16);
     }
   }
 }
 
-// fp32 arrays of padded length (the compensator state, workspaces): always whole and aligned.
-__device__ __forceinline__ void load16_f32(const float* __restrict__ p, float (&v)[kElemsPerThread]) {
-  const float4* q = reinterpret_cast<const float4*>(p);
+// v = this lane's 16 elements of the group starting at p[group_base], as fp32; zeros past numel (the
+// layout's padding). vec_ok: p is 16-byte aligned. Every chunk's load is issued before any is converted.
+template <typename T, int kLanes>
+__device__ __forceinline__ void load_thread(const T* __restrict__ p, int64_t group_base, int lane, int64_t numel,
+                                            bool vec_ok, float (&v)[kElemsPerThread]) {
+  constexpr int kBytes = kChunkElems * int(sizeof(T));
+  if (vec_ok && group_base + chunk_offset<kLanes>(lane, kChunks - 1) + kChunkElems <= numel) {
+    uint32_t w[kChunks][kBytes / 4];
 #pragma unroll
-  for (int k = 0; k < kElemsPerThread / 4; ++k) {
-    const float4 w = q[k];
-    v[4 * k] = w.x;
-    v[4 * k + 1] = w.y;
-    v[4 * k + 2] = w.z;
-    v[4 * k + 3] = w.w;
+    for (int c = 0; c < kChunks; ++c) load_bytes<kBytes>(p + group_base + chunk_offset<kLanes>(lane, c), w[c]);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) unpack_chunk<T>(w[c], v + c * kChunkElems);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t e = group_base + chunk_offset<kLanes>(lane, c);
+#pragma unroll
+      for (int j = 0; j < kChunkElems; ++j) v[c * kChunkElems + j] = (e + j < numel) ? to_f32(p[e + j]) : 0.0f;
+    }
   }
 }
-__device__ __forceinline__ void store16_f32(float* __restrict__ p, const float (&v)[kElemsPerThread]) {
-  float4* q = reinterpret_cast<float4*>(p);
+
+// p[group_base + this lane's elements, below numel] = v in T (round to nearest even).
+template <typename T, int kLanes>
+__device__ __forceinline__ void store_thread(T* __restrict__ p, int64_t group_base, int lane, int64_t numel,
+                                             bool vec_ok, const float (&v)[kElemsPerThread]) {
+  constexpr int kBytes = kChunkElems * int(sizeof(T));
+  if (vec_ok && group_base + chunk_offset<kLanes>(lane, kChunks - 1) + kChunkElems <= numel) {
 #pragma unroll
-  for (int k = 0; k < kElemsPerThread / 4; ++k) q[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+    for (int c = 0; c < kChunks; ++c) {
+      uint32_t w[kBytes / 4];
+      pack_chunk<T>(v + c * kChunkElems, w);
+      store_bytes<kBytes>(p + group_base + chunk_offset<kLanes>(lane, c), w);
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t e = group_base + chunk_offset<kLanes>(lane, c);
+#pragma unroll
+      for (int j = 0; j < kChunkElems; ++j) {
+        if (e + j < numel) p[e + j] = from_f32<T>(v[c * kChunkElems + j]);
+      }
+    }
+  }
+}
+
+// fp32 arrays of padded length (the compensator state, workspaces): always whole groups and aligned;
+// `group` points at the group's first element.
+template <int kLanes>
+__device__ __forceinline__ void load_thread_f32(const float* __restrict__ group, int lane, float (&v)[kElemsPerThread]) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    uint32_t w[kChunkElems];
+    load_bytes<kChunkElems * 4>(group + chunk_offset<kLanes>(lane, c), w);
+#pragma unroll
+    for (int j = 0; j < kChunkElems; ++j) v[c * kChunkElems + j] = __uint_as_float(w[j]);
+  }
+}
+template <int kLanes>
+__device__ __forceinline__ void store_thread_f32(float* __restrict__ group, int lane, const float (&v)[kElemsPerThread]) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    uint32_t w[kChunkElems];
+#pragma unroll
+    for (int j = 0; j < kChunkElems; ++j) w[j] = __float_as_uint(v[c * kChunkElems + j]);
+    store_bytes<kChunkElems * 4>(group + chunk_offset<kLanes>(lane, c), w);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Codes: 16 per thread. 4-bit: two 32-bit words, nibble i of word w = element 8 w + i (so byte k holds
-// element 2k in its low nibble, as quant.pack). 8-bit: four words, byte i of word w = element 4 w + i.
+// Codes: 16 per thread, code of register i at bits [kBits i, kBits (i + 1)) of the words (4-bit: two
+// words, 8-bit: four). In memory, as quant.pack: byte k of a group holds element 2k in its low nibble
+// (4-bit) or element k (8-bit); chunk c of a lane is kChunkElems kBits / 8 bytes at its chunk offset.
 // ---------------------------------------------------------------------------------------------------
 template <int kBits>
 struct Codes {
   static constexpr int kWords = kElemsPerThread * kBits / 32;
-  static constexpr int kBytesPerThread = kElemsPerThread * kBits / 8;
   uint32_t w[kWords];
 };
 
-template <int kBits>
-__device__ __forceinline__ void store_codes(uint8_t* __restrict__ dst, const Codes<kBits>& c) {
-  if constexpr (kBits == 4) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(c.w[0], c.w[1]);
-  } else {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(c.w[0], c.w[1], c.w[2], c.w[3]);
+template <int kBits, int kLanes>
+__device__ __forceinline__ void store_codes(uint8_t* __restrict__ group_codes, int lane, const Codes<kBits>& c) {
+  constexpr int kChunkBits = kChunkElems * kBits;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    uint8_t* dst = group_codes + chunk_offset<kLanes>(lane, k) * kBits / 8;
+    if constexpr (kChunkBits < 32) {
+      const uint32_t w = c.w[k * kChunkBits / 32] >> (k * kChunkBits % 32);
+      store_bytes<kChunkBits / 8>(dst, &w);
+    } else {
+      store_bytes<kChunkBits / 8>(dst, c.w + k * kChunkBits / 32);
+    }
   }
 }
-template <int kBits>
-__device__ __forceinline__ Codes<kBits> load_codes(const uint8_t* __restrict__ src) {
+template <int kBits, int kLanes>
+__device__ __forceinline__ Codes<kBits> load_codes(const uint8_t* __restrict__ group_codes, int lane) {
+  constexpr int kChunkBits = kChunkElems * kBits;
   Codes<kBits> c;
-  if constexpr (kBits == 4) {
-    const uint2 w = *reinterpret_cast<const uint2*>(src);
-    c.w[0] = w.x;
-    c.w[1] = w.y;
-  } else {
-    const uint4 w = *reinterpret_cast<const uint4*>(src);
-    c.w[0] = w.x;
-    c.w[1] = w.y;
-    c.w[2] = w.z;
-    c.w[3] = w.w;
+  if constexpr (kChunkBits < 32) {
+#pragma unroll
+    for (int k = 0; k < Codes<kBits>::kWords; ++k) c.w[k] = 0u;
+  }
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const uint8_t* src = group_codes + chunk_offset<kLanes>(lane, k) * kBits / 8;
+    if constexpr (kChunkBits < 32) {
+      uint32_t w;
+      load_bytes<kChunkBits / 8>(src, &w);
+      c.w[k * kChunkBits / 32] |= w << (k * kChunkBits % 32);
+    } else {
+      load_bytes<kChunkBits / 8>(src, c.w + k * kChunkBits / 32);
+    }
   }
   return c;
 }
@@ -393,26 +487,36 @@ __device__ __forceinline__ void group_stats(const float (&v)[kElemsPerThread], f
 }
 
 // codes of v under p (quant.encode): clip(rint(v * inv + z), q_min, 2^b - 1), 0 for a non-finite group.
-template <int kBits>
-__device__ __forceinline__ Codes<kBits> encode(const float (&v)[kElemsPerThread], const GroupParams& p,
-                                               Policy policy) {
+// cvt.rni.u32 rounds half to even and saturates (negatives to 0), so the integer min (and, for the
+// symmetric grid, max with q_min = 1) give clip(rint(t), q_min, 2^b - 1) for every finite t. The policy
+// and the finite flag are the group's, so their branches sit outside the per-element loop.
+template <int kBits, bool kSymmetric>
+__device__ __forceinline__ Codes<kBits> encode_finite(const float (&v)[kElemsPerThread], const GroupParams& p) {
   constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
   constexpr int kPerWord = 32 / kBits;
-  const uint32_t q_min = (policy == Policy::kSymmetric) ? 1u : 0u;
   Codes<kBits> c;
 #pragma unroll
   for (int k = 0; k < Codes<kBits>::kWords; ++k) c.w[k] = 0u;
 #pragma unroll
   for (int i = 0; i < kElemsPerThread; ++i) {
     const float t = f_add(f_mul(v[i], p.inv), p.zero);
-    // cvt.rni.u32 rounds half to even and saturates (negatives to 0), so with the integer min/max it
-    // equals clip(rint(t), q_min, 2^b - 1) for every finite t.
-    uint32_t code = __float2uint_rn(t);
-    code = max(min(code, kMaxCode), q_min);
-    code = p.finite ? code : 0u;
+    uint32_t code = min(__float2uint_rn(t), kMaxCode);
+    if constexpr (kSymmetric) code = max(code, 1u);
     c.w[i / kPerWord] |= code << (kBits * (i % kPerWord));
   }
   return c;
+}
+
+template <int kBits>
+__device__ __forceinline__ Codes<kBits> encode(const float (&v)[kElemsPerThread], const GroupParams& p,
+                                               Policy policy) {
+  if (!p.finite) {
+    Codes<kBits> c;
+#pragma unroll
+    for (int k = 0; k < Codes<kBits>::kWords; ++k) c.w[k] = 0u;
+    return c;
+  }
+  return policy == Policy::kSymmetric ? encode_finite<kBits, true>(v, p) : encode_finite<kBits, false>(v, p);
 }
 
 // fp32 values of codes (quant.decode): (q - z) * s.
@@ -440,46 +544,65 @@ __device__ __forceinline__ GroupParams quantize_group(const float (&v)[kElemsPer
 // Randomized Hadamard rotation (quant.rotate / quant.unrotate), in registers.
 // ---------------------------------------------------------------------------------------------------
 // Unnormalised Walsh-Hadamard transform over the group, butterflies h = 1, 2, 4, ... in that order: stage
-// h pairs element i with i + h and writes (a + b, a - b), a the lower element (quant._fwht). h < 16 pairs
-// elements of one thread, h >= 16 the same register of lanes lane and lane ^ (h / 16).
-template <int kLanes>
-__device__ __forceinline__ void fwht(float (&v)[kElemsPerThread], int lane) {
+// h pairs element o with o + h and writes (a + b, a - b), a the lower element (quant._fwht). With the
+// chunked layout an element offset is (chunk, lane, j) from the top bit down, so h < kChunkElems pairs
+// registers i and i + h of one lane, kChunkElems <= h < kChunkElems kLanes the same register of lanes
+// lane and lane ^ (h / kChunkElems), and larger h registers i and i + h / kLanes (another chunk) of one
+// lane. The stages run in the reference's order, so the roundings are the same.
+__device__ __forceinline__ void butterfly_in_thread(float (&v)[kElemsPerThread], int stride) {
 #pragma unroll
-  for (int h = 1; h < kElemsPerThread; h *= 2) {
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) {
-      if ((i & h) == 0) {
-        const float a = v[i];
-        const float b = v[i + h];
-        v[i] = f_add(a, b);
-        v[i + h] = f_sub(a, b);
-      }
-    }
-  }
-  const unsigned mask = group_mask<kLanes>();
-#pragma unroll
-  for (int m = 1; m < kLanes; m *= 2) {
-    const bool upper = (lane & m) != 0;
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) {
-      const float other = __shfl_xor_sync(mask, v[i], m);
-      v[i] = upper ? f_sub(other, v[i]) : f_add(v[i], other);
+  for (int i = 0; i < kElemsPerThread; ++i) {
+    if ((i & stride) == 0) {
+      const float a = v[i];
+      const float b = v[i + stride];
+      v[i] = f_add(a, b);
+      v[i + stride] = f_sub(a, b);
     }
   }
 }
 
-// The 16 sign bits of this thread's elements (bit i set: element lane * 16 + i is multiplied by -1).
+// v with its sign bit flipped where `sign` (0 or 0x80000000) says: exactly v * -1 or v * 1 (a product by
+// -1 is exact, and so is a - b = a + (-b)), in one logic operation.
+__device__ __forceinline__ float flip_sign(float v, uint32_t sign) { return __uint_as_float(__float_as_uint(v) ^ sign); }
+
+template <int kLanes>
+__device__ __forceinline__ void fwht(float (&v)[kElemsPerThread], int lane) {
+#pragma unroll
+  for (int h = 1; h < kChunkElems; h *= 2) butterfly_in_thread(v, h);
+  const unsigned mask = group_mask<kLanes>();
+#pragma unroll
+  for (int m = 1; m < kLanes; m *= 2) {
+    // The lower lane holds a, the upper b: lower a + b, upper a - b = a + (-b) (addition commutes exactly).
+    const uint32_t negate = (lane & m) != 0 ? 0x80000000u : 0u;
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) {
+      const float other = __shfl_xor_sync(mask, v[i], m);
+      v[i] = f_add(other, flip_sign(v[i], negate));
+    }
+  }
+#pragma unroll
+  for (int h = kChunkElems; h < kElemsPerThread; h *= 2) butterfly_in_thread(v, h);
+}
+
+// The 16 sign bits of this lane's registers (bit i set: register i's element is multiplied by -1).
+template <int kLanes>
 __device__ __forceinline__ uint32_t thread_signs(const HadamardSpec& h, int lane) {
-  const int first = lane * kElemsPerThread;
-  return (h.sign_bits[first / 32] >> (first % 32)) & 0xffffu;
+  uint32_t signs = 0u;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int first = chunk_offset<kLanes>(lane, c);
+    const uint32_t bits = (h.sign_bits[first / 32] >> (first % 32)) & ((1u << kChunkElems) - 1u);
+    signs |= bits << (c * kChunkElems);
+  }
+  return signs;
 }
 
 // rotate: (H (D v)) * norm
 template <int kLanes>
 __device__ __forceinline__ void rotate(float (&v)[kElemsPerThread], int lane, const HadamardSpec& h) {
-  const uint32_t signs = thread_signs(h, lane);
+  const uint32_t signs = thread_signs<kLanes>(h, lane);
 #pragma unroll
-  for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], ((signs >> i) & 1u) ? -1.0f : 1.0f);
+  for (int i = 0; i < kElemsPerThread; ++i) v[i] = flip_sign(v[i], (signs << (31 - i)) & 0x80000000u);
   fwht<kLanes>(v, lane);
 #pragma unroll
   for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], h.norm);
@@ -489,10 +612,10 @@ __device__ __forceinline__ void rotate(float (&v)[kElemsPerThread], int lane, co
 template <int kLanes>
 __device__ __forceinline__ void unrotate(float (&v)[kElemsPerThread], int lane, const HadamardSpec& h) {
   fwht<kLanes>(v, lane);
-  const uint32_t signs = thread_signs(h, lane);
+  const uint32_t signs = thread_signs<kLanes>(h, lane);
 #pragma unroll
   for (int i = 0; i < kElemsPerThread; ++i) {
-    v[i] = f_mul(f_mul(v[i], h.norm), ((signs >> i) & 1u) ? -1.0f : 1.0f);
+    v[i] = flip_sign(f_mul(v[i], h.norm), (signs << (31 - i)) & 0x80000000u);
   }
 }
 
@@ -519,6 +642,7 @@ __device__ __forceinline__ float exp2_int(int k) { return __int_as_float((127 + 
 
 // r' of one thread: rotate(x) + c, with c from the state (m1, m2) or precomputed (correction).
 // v holds x on entry; the state is loaded before the rotation so that its loads are in flight meanwhile.
+// e: the group's first element in the padded arrays.
 template <int kLanes>
 __device__ __forceinline__ void compensated_input(float (&v)[kElemsPerThread], int lane, int64_t e,
                                                   const HadamardSpec& h, const float* m1, const float* m2,
@@ -526,12 +650,12 @@ __device__ __forceinline__ void compensated_input(float (&v)[kElemsPerThread], i
   float c[kElemsPerThread];
   if (m1 != nullptr) {
     float b[kElemsPerThread];
-    load16_f32(m1 + e, c);
-    load16_f32(m2 + e, b);
+    load_thread_f32<kLanes>(m1 + e, lane, c);
+    load_thread_f32<kLanes>(m2 + e, lane, b);
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) c[i] = correction(c[i], b[i], coeffs);
   } else if (corr != nullptr) {
-    load16_f32(corr + e, c);
+    load_thread_f32<kLanes>(corr + e, lane, c);
   }
   if (h.enabled) rotate<kLanes>(v, lane, h);
   if (m1 != nullptr || corr != nullptr) {
@@ -541,6 +665,22 @@ __device__ __forceinline__ void compensated_input(float (&v)[kElemsPerThread], i
 }
 
 __host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Grid of `rows` rows (blockIdx.y: a segment) of `groups` groups each (blockIdx.x), kLanes lanes per group:
+// the segment comes from the block row, so no thread divides by the group count.
+template <int kLanes>
+inline dim3 grid_of_rows(int64_t groups, int rows) {
+  const int64_t blocks = (groups * kLanes + kThreadsPerBlock - 1) / kThreadsPerBlock;
+  ECHO_HOST_ASSERT(blocks < (int64_t(1) << 31) && rows >= 1 && rows <= 65535, "launch too large");
+  return dim3(static_cast<unsigned>(blocks < 1 ? 1 : blocks), static_cast<unsigned>(rows), 1u);
+}
+// (group within the row, lane) of this thread under grid_of_rows.
+template <int kLanes>
+__device__ __forceinline__ int64_t group_in_row(int& lane) {
+  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
+  lane = static_cast<int>(tid % kLanes);
+  return tid / kLanes;
+}
 
 inline unsigned num_blocks(int64_t num_threads) {
   const int64_t blocks = (num_threads + kThreadsPerBlock - 1) / kThreadsPerBlock;

@@ -9,7 +9,7 @@ namespace {
 using namespace detail;
 
 template <int kWorld, int kBits, int kGroupSize>
-__global__ void __launch_bounds__(kThreadsPerBlock) owner_reduce_kernel(const OwnerReduceArgs a) {
+__global__ void ECHO_KERNEL_BOUNDS(4) owner_reduce_kernel(const OwnerReduceArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
   const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
@@ -17,19 +17,19 @@ __global__ void __launch_bounds__(kThreadsPerBlock) owner_reduce_kernel(const Ow
   const int lane = static_cast<int>(tid % kLanes);
   if (item >= a.num_groups) return;
   const int64_t gi = a.group_begin + item;
-  const int64_t in_seg = gi * kGroupSize + int64_t(lane) * kElemsPerThread;
-  const int64_t code_offset = gi * kCodeBytes + lane * Codes<kBits>::kBytesPerThread;
+  const int64_t in_seg = gi * kGroupSize;  // the group's first element in the segment
+  const int64_t code_offset = gi * kCodeBytes;
 
   // Every load first, so that the P copies are in flight together.
   float own[kElemsPerThread];
-  load16_f32(a.own + in_seg, own);
+  load_thread_f32<kLanes>(a.own + in_seg, lane, own);
   Codes<kBits> copies[kWorld];
   uint16_t scale_bits[kWorld];
   uint16_t zero_bits[kWorld];
 #pragma unroll
   for (int r = 0; r < kWorld; ++r) {
     if (r != a.rank) {
-      copies[r] = load_codes<kBits>(a.in.codes[r] + code_offset);
+      copies[r] = load_codes<kBits, kLanes>(a.in.codes[r] + code_offset, lane);
       scale_bits[r] = a.in.scales[r][gi];
       zero_bits[r] = a.in.zeros[r][gi];
     }
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) owner_reduce_kernel(const Ow
 #pragma unroll
   for (int d = 0; d < kWorld; ++d) {
     if (a.out.codes[d] != nullptr) {
-      store_codes<kBits>(a.out.codes[d] + code_offset, codes);
+      store_codes<kBits, kLanes>(a.out.codes[d] + code_offset, lane, codes);
       if (lane == 0) {
         a.out.scales[d][gi] = p.scale_bits;
         a.out.zeros[d][gi] = p.zero_bits;
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) owner_reduce_kernel(const Ow
       const float err = f_sub(u[i], acc[i]);
       u[i] = -(k != 0 ? f_mul(err, down) : err);
     }
-    store16_f32(a.residual_out + in_seg, u);
+    store_thread_f32<kLanes>(a.residual_out + in_seg, lane, u);
   }
 }
 

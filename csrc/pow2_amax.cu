@@ -15,7 +15,7 @@ using namespace detail;
 constexpr int kAmaxBlocksPerSm = 8;
 
 template <typename T, int kGroupSize>
-__global__ void __launch_bounds__(kThreadsPerBlock) pow2_amax_kernel(const Pow2AmaxArgs a) {
+__global__ void ECHO_KERNEL_BOUNDS(1) pow2_amax_kernel(const Pow2AmaxArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   __shared__ unsigned block_max[kThreadsPerBlock / kWarpSize];
   const int64_t num_items = int64_t(a.layout.world_size) * a.layout.groups_per_segment;
@@ -25,9 +25,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) pow2_amax_kernel(const Pow2A
   // Every lane of a group runs the same iterations (the item is per group), as the rotation's shuffles need.
   for (int64_t item = int64_t(blockIdx.x) * (kThreadsPerBlock / kLanes) + threadIdx.x / kLanes; item < num_items;
        item += items_per_pass) {
-    const int64_t e = item * kGroupSize + int64_t(lane) * kElemsPerThread;
+    const int64_t e = item * kGroupSize;  // the group's first element
     float v[kElemsPerThread];
-    load16(static_cast<const T*>(a.x), e, a.layout.numel, aligned16(a.x), v);
+    load_thread<T, kLanes>(static_cast<const T*>(a.x), e, lane, a.layout.numel, aligned16(a.x), v);
     compensated_input<kLanes>(v, lane, e, a.hadamard, a.m1, a.m2, a.correction, a.coeffs);
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) best = max(best, __float_as_uint(fabsf(v[i])));

@@ -9,22 +9,20 @@ namespace {
 using namespace detail;
 
 template <typename T, int kBits, int kGroupSize>
-__global__ void __launch_bounds__(kThreadsPerBlock) push_quantize_kernel(const PushQuantizeArgs a) {
+__global__ void ECHO_KERNEL_BOUNDS(4) push_quantize_kernel(const PushQuantizeArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
-  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
-  const int64_t item = tid / kLanes;  // one group of one segment; all lanes of a group share it
-  const int lane = static_cast<int>(tid % kLanes);
-  const int world_size = a.layout.world_size;
-  if (item >= int64_t(world_size) * a.num_groups) return;  // whole groups leave together
-  const int seg = static_cast<int>(item / a.num_groups);
-  const int64_t gi = a.group_begin + item % a.num_groups;
+  int lane;
+  const int64_t item = group_in_row<kLanes>(lane);  // one group of segment blockIdx.y; its lanes share it
+  if (item >= a.num_groups) return;                 // whole groups leave together
+  const int seg = static_cast<int>(blockIdx.y);
+  const int64_t gi = a.group_begin + item;
   const int64_t seg_numel = a.layout.groups_per_segment * kGroupSize;
-  const int64_t in_seg = gi * kGroupSize + int64_t(lane) * kElemsPerThread;
-  const int64_t e = int64_t(seg) * seg_numel + in_seg;  // index into the padded tensor
+  const int64_t in_seg = gi * kGroupSize;                // the group's first element in its segment
+  const int64_t e = int64_t(seg) * seg_numel + in_seg;  // ... and in the padded tensor
 
   float v[kElemsPerThread];
-  load16(static_cast<const T*>(a.x), e, a.layout.numel, aligned16(a.x), v);
+  load_thread<T, kLanes>(static_cast<const T*>(a.x), e, lane, a.layout.numel, aligned16(a.x), v);
   compensated_input<kLanes>(v, lane, e, a.hadamard, a.m1, a.m2, a.correction, a.coeffs);
   const int k = pow2_exponent(a.pow2_amax);
   if (k != 0) {
@@ -34,13 +32,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock) push_quantize_kernel(const P
   }
 
   if (seg == a.rank) {  // the owned segment enters the owner's sum unquantized
-    store16_f32(a.own_out + in_seg, v);
+    store_thread_f32<kLanes>(a.own_out + in_seg, lane, v);
     return;
   }
 
   Codes<kBits> codes;
   const GroupParams p = quantize_group<kBits, kLanes>(v, a.policy, codes);
-  store_codes<kBits>(a.out.codes[seg] + gi * kCodeBytes + lane * Codes<kBits>::kBytesPerThread, codes);
+  store_codes<kBits, kLanes>(a.out.codes[seg] + gi * kCodeBytes, lane, codes);
   if (lane == 0) {
     a.out.scales[seg][gi] = p.scale_bits;
     a.out.zeros[seg][gi] = p.zero_bits;
@@ -56,7 +54,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) push_quantize_kernel(const P
       const float err = f_sub(u[i], v[i]);
       u[i] = -(k != 0 ? f_mul(err, down) : err);
     }
-    store16_f32(a.residual_out + e, u);
+    store_thread_f32<kLanes>(a.residual_out + e, lane, u);
   }
 }
 
@@ -74,8 +72,8 @@ void launch_push_quantize(const PushQuantizeArgs& a, cudaStream_t stream) {
   ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, (void)kWorld);  // raises for unsupported P
   ECHO_DISPATCH_DTYPE(a.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
-    const int64_t threads = int64_t(a.layout.world_size) * a.num_groups * kLanes;
-    push_quantize_kernel<T, kBits, kGroup><<<num_blocks(threads), kThreadsPerBlock, 0, stream>>>(a);
+    const dim3 grid = grid_of_rows<kLanes>(a.num_groups, a.layout.world_size);
+    push_quantize_kernel<T, kBits, kGroup><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     ECHO_CHECK(cudaGetLastError());
   })));
 }

@@ -8,6 +8,9 @@ Numerics: the kernels reproduce the reference bit for bit, so this builder does 
 default nvcc flags, which include ``--use_fast_math`` (approximate division, flush-to-zero, contraction
 into FMA). It passes ``-fmad=false --ftz=false --prec-div=true --prec-sqrt=true`` instead.
 
+Kernel experiments: ``ECHO_DS_NVCC_EXTRA`` appends flags to nvcc (e.g. ``-DECHO_CHUNK_ELEMS=8``, see
+csrc/echo_common.cuh); give each variant its own ``TORCH_EXTENSIONS_DIR``.
+
 Targets: sm_90 by default (the H100/H200 this project runs on); ``TORCH_CUDA_ARCH_LIST`` adds others,
 e.g. ``TORCH_CUDA_ARCH_LIST="8.0;9.0"``. Architectures before sm_80 are dropped (bf16 conversions).
 """
@@ -135,7 +138,7 @@ class EchoBuilder(CUDAOpBuilder):
         threads = os.environ.get("DS_NVCC_THREADS", str(min(os.cpu_count() or 1, 8)))
         return ["-O3", cxx_std(), *EXACT_FP_NVCC_FLAGS, "-U__CUDA_NO_HALF_OPERATORS__",
                 "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", f"--threads={threads}",
-                *self.compute_capability_args()]
+                *self.compute_capability_args(), *os.environ.get("ECHO_DS_NVCC_EXTRA", "").split()]
 
 
 def build_directory() -> str:

@@ -1,0 +1,39 @@
+#!/bin/bash
+# Kernel variants side by side in one GPU session: each variant is the same csrc/ built with extra nvcc
+# flags (ECHO_DS_NVCC_EXTRA) into its own extension directory, then timed by bench_kernels.py --only.
+#
+#   OUT=/some/dir VARIANTS="chunk8:-DECHO_CHUNK_ELEMS=8 minblocks5:-DECHO_MIN_BLOCKS_PER_SM=5" \
+#       bash benchmarks/gpu_kernel_variants.sh
+#
+# Runs benchmarks/gpu_kernels.sh first (the shipped build: tests + full table), building the variants in
+# the background meanwhile. Writes $OUT/variants.log besides gpu_kernels.sh's files.
+set -u
+OUT=${OUT:-/tmp/echo_out}
+mkdir -p "$OUT"
+ROWS=${VARIANT_ROWS:-copy,entry,entry+corr,entry+rot,owner_reduce,dequantize,dequantize+rot}
+export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+fi
+export PYTHONPATH=/tmp/site:$PWD
+
+build_variants() {
+  for v in ${VARIANTS:-}; do
+    name=${v%%:*}; flags=${v#*:}; flags=${flags//,/ }
+    ( export TORCH_EXTENSIONS_DIR=/tmp/ext_$name ECHO_DS_NVCC_EXTRA="$flags" MAX_JOBS=6 DS_NVCC_THREADS=2
+      python3 -c "import echo_ds.ops as E; E.load()" > /tmp/build_$name.log 2>&1; echo "rc=$?" >> /tmp/build_$name.log )
+  done
+}
+# The shipped build first (its own cold build is timed undisturbed), then the variants in the background.
+( sleep 45; build_variants ) &
+vb=$!
+OUT=$OUT bash benchmarks/gpu_kernels.sh
+wait $vb
+for v in ${VARIANTS:-}; do
+  name=${v%%:*}; flags=${v#*:}; flags=${flags//,/ }
+  echo "=== variant $name ($flags): $(tail -1 /tmp/build_$name.log)" | tee -a "$OUT/variants.log"
+  TORCH_EXTENSIONS_DIR=/tmp/ext_$name ECHO_DS_NVCC_EXTRA="$flags" timeout 200 python3 benchmarks/bench_kernels.py \
+    --only "$ROWS" --min-bytes "${VARIANT_MIN:-256M}" --max-bytes 1G --factor 4 2>&1 | grep -E "MB |copy bandwidth" \
+    | tee -a "$OUT/variants.log"
+done
