@@ -3,7 +3,7 @@
 #
 #   From the repository root of a GPU machine. Where that machine lacks deepspeed or pydantic, put
 #   their wheels (for its Python) in .whl/ first: the script installs them into /tmp/site.
-#   OUT=/some/dir bash benchmarks/gpu_kernels.sh
+#   OUT=/some/dir bash benchmarks/gpu_kernels.sh        (BENCH_ARGS="..." adds bench_kernels.py options)
 #
 # Writes to $OUT: env.txt, build.log (cold JIT build, timed), ds_build.log (DeepSpeed's quantizer, built
 # in the background meanwhile), test.log (tests/test_kernels_gpu.py), bench.log + bench.json
@@ -49,7 +49,7 @@ timeout 300 python3 -m pytest tests/test_kernels_gpu.py -q -rfE --timeout 240 -p
 wait $ds_pid
 tail -3 "$OUT/ds_build.log"
 
-timeout 240 python3 benchmarks/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
+timeout 240 python3 benchmarks/bench_kernels.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
 
 so=$(ls /tmp/torch_ext/echo_ds_ops/*.so 2>/dev/null | head -1)
 if [ -n "$so" ] && command -v cuobjdump >/dev/null; then

@@ -9,7 +9,7 @@ namespace {
 using namespace detail;
 
 template <typename T, int kBits, int kGroupSize>
-__global__ void ECHO_KERNEL_BOUNDS(5) dequantize_kernel(const DequantizeArgs a) {
+__global__ void ECHO_KERNEL_BOUNDS(6) dequantize_kernel(const DequantizeArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
   int lane;

@@ -7,14 +7,16 @@
 // torch propagates it: each group therefore carries an explicit non-finite flag.
 //
 // Thread layout: a group of g elements is held by kLanes = g / 16 consecutive lanes of one warp, aligned
-// to kLanes, 16 elements per lane as kChunks chunks of kChunkElems = 4 consecutive elements. Chunk c of
-// lane l holds the group's elements
+// to kLanes, 16 elements per lane as kChunks = 2 chunks of kChunkElems = 8 consecutive elements. Chunk c
+// of lane l holds the group's elements
 //
 //     c * (kChunkElems * kLanes) + l * kChunkElems + [0, kChunkElems)          (chunk_offset)
 //
-// so for each chunk the group's lanes together touch one contiguous run of 4 kLanes elements: every
-// warp-wide load or store (16 bytes per lane of fp32, 8 of fp16/bf16) fills whole 32-byte sectors. The
-// first layout (16 consecutive elements per lane, two or four 16-byte accesses with a lane stride of 32 or
+// so for each chunk the group's lanes together touch one contiguous run of 8 kLanes elements: a warp-wide
+// access of 16-bit data (16 bytes per lane) fills whole 32-byte sectors, and the two 16-byte halves of an
+// fp32 chunk fill them together. Chunks of 4 (every fp32 access sector-complete, 16-bit ones 8 bytes per
+// lane) measured the same or slower on the H200, chunks of 16 are the first layout
+// (benchmarks/runs/2026-12-03_layout_variants.txt). The first layout (16 consecutive elements per lane, two or four 16-byte accesses with a lane stride of 32 or
 // 64 bytes) used half or a quarter of each sector per instruction; the profile showed the stages bound by
 // L2 requests and by stores draining (docs/kernels.md, "Thread layout"). Register i = c * kChunkElems + j
 // of a lane is element chunk_offset(lane, c) + j of its group. Group-wide reductions and the cross-lane
@@ -77,11 +79,11 @@
 namespace echo {
 namespace detail {
 
-// 16 elements per thread in 4 chunks of 4 (see the thread layout above). ECHO_CHUNK_ELEMS = 8 or 16
-// builds the alternatives that were measured against it (benchmarks/RESULTS.md); 4 is the shipped one.
+// 16 elements per thread in 2 chunks of 8 (see the thread layout above). ECHO_CHUNK_ELEMS = 4 or 16
+// builds the alternatives that were measured against it; 8 is the shipped one.
 constexpr int kElemsPerThread = 16;
 #ifndef ECHO_CHUNK_ELEMS
-#define ECHO_CHUNK_ELEMS 4
+#define ECHO_CHUNK_ELEMS 8
 #endif
 constexpr int kChunkElems = ECHO_CHUNK_ELEMS;
 constexpr int kChunks = kElemsPerThread / kChunkElems;
