@@ -14,11 +14,10 @@
 //
 // so for each chunk the group's lanes together touch one contiguous run of 8 kLanes elements: a warp-wide
 // access of 16-bit data (16 bytes per lane) fills whole 32-byte sectors, and the two 16-byte halves of an
-// fp32 chunk fill them together. Chunks of 4 (every fp32 access sector-complete, 16-bit ones 8 bytes per
-// lane) measured the same or slower on the H200, chunks of 16 are the first layout
-// (benchmarks/runs/2026-12-03_layout_variants.txt). The first layout (16 consecutive elements per lane, two or four 16-byte accesses with a lane stride of 32 or
-// 64 bytes) used half or a quarter of each sector per instruction; the profile showed the stages bound by
-// L2 requests and by stores draining (docs/kernels.md, "Thread layout"). Register i = c * kChunkElems + j
+// fp32 chunk fill them together. The first layout, 16 consecutive elements per lane, used half or a
+// quarter of each sector per instruction and left the stages bound by L2 requests and by stores draining;
+// chunks of 4 measured the same or slower than chunks of 8 (docs/kernels.md, "Thread layout";
+// benchmarks/runs/2026-12-03_layout_variants.txt). Register i = c * kChunkElems + j
 // of a lane is element chunk_offset(lane, c) + j of its group. Group-wide reductions and the cross-lane
 // butterflies of the Hadamard transform are shuffles restricted to the group's lanes (group_mask), so
 // whole groups may leave early without stalling their warp neighbours.
@@ -278,7 +277,8 @@ __device__ __forceinline__ void store_thread(T* __restrict__ p, int64_t group_ba
 // fp32 arrays of padded length (the compensator state, workspaces): always whole groups and aligned;
 // `group` points at the group's first element.
 template <int kLanes>
-__device__ __forceinline__ void load_thread_f32(const float* __restrict__ group, int lane, float (&v)[kElemsPerThread]) {
+__device__ __forceinline__ void load_thread_f32(const float* __restrict__ group, int lane,
+                                                float (&v)[kElemsPerThread]) {
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     uint32_t w[kChunkElems];
@@ -288,7 +288,8 @@ __device__ __forceinline__ void load_thread_f32(const float* __restrict__ group,
   }
 }
 template <int kLanes>
-__device__ __forceinline__ void store_thread_f32(float* __restrict__ group, int lane, const float (&v)[kElemsPerThread]) {
+__device__ __forceinline__ void store_thread_f32(float* __restrict__ group, int lane,
+                                                 const float (&v)[kElemsPerThread]) {
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     uint32_t w[kChunkElems];
@@ -565,7 +566,9 @@ __device__ __forceinline__ void butterfly_in_thread(float (&v)[kElemsPerThread],
 
 // v with its sign bit flipped where `sign` (0 or 0x80000000) says: exactly v * -1 or v * 1 (a product by
 // -1 is exact, and so is a - b = a + (-b)), in one logic operation.
-__device__ __forceinline__ float flip_sign(float v, uint32_t sign) { return __uint_as_float(__float_as_uint(v) ^ sign); }
+__device__ __forceinline__ float flip_sign(float v, uint32_t sign) {
+  return __uint_as_float(__float_as_uint(v) ^ sign);
+}
 
 template <int kLanes>
 __device__ __forceinline__ void fwht(float (&v)[kElemsPerThread], int lane) {
