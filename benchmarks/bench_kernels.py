@@ -97,6 +97,29 @@ def time_op(fn, reps: int, iters: int, graph: bool = True):
     return statistics.median(times), min(times), max(times)
 
 
+def stage_buffers(n: int, spec, dev):
+    """Inputs and outputs of every stage for an fp16 message of n elements (rank 0 of P): random x and
+    compensator arrays, packet buffers of the P segments, and the tables that point into them."""
+    import types
+
+    import echo_ds.ops as E
+
+    layout = C.Layout(n, P, spec.group_size)
+    S, padded = layout.segment_numel, layout.padded_numel
+    b = types.SimpleNamespace(layout=layout, n=n)
+    b.x = (torch.randn(n, device=dev) * 2.0).to(torch.float16)
+    b.m1, b.m2, b.corr, b.u = (torch.randn(padded, device=dev) * 1e-2 for _ in range(4))
+    b.send = E.alloc_packets(P, layout, spec, dev)
+    b.gathered = E.alloc_packets(P, layout, spec, dev)
+    b.own = torch.empty(S, device=dev)
+    b.resid = torch.empty(padded, device=dev)
+    b.y = torch.empty(n, dtype=torch.float16, device=dev)
+    b.amax = torch.empty(1, device=dev)
+    b.out_tab = E.packet_table([None, *b.send[1:]], layout, spec)  # rank 0 sends segments 1 .. P-1
+    b.gat_tab = E.packet_table(list(b.gathered), layout, spec)
+    return b
+
+
 def load_ds_quantizer():
     try:
         from deepspeed.ops.op_builder import QuantizerBuilder
@@ -159,21 +182,12 @@ def main():
 
     for size in sizes:
         n = size // 2
-        layout = C.Layout(n, P, G_SIZE)
+        b = stage_buffers(n, spec, dev)
+        layout = b.layout
         G, S, padded = layout.groups_per_segment, layout.segment_numel, layout.padded_numel
-        x = (torch.randn(n, device=dev) * 2.0).to(torch.float16)
-        m1 = torch.randn(padded, device=dev) * 1e-2
-        m2 = torch.randn(padded, device=dev) * 1e-2
-        corr = torch.randn(padded, device=dev) * 1e-2
-        u = torch.randn(padded, device=dev) * 1e-2
-        send = E.alloc_packets(P, layout, spec, dev)
-        gathered = E.alloc_packets(P, layout, spec, dev)
-        own = torch.empty(S, device=dev)
-        resid = torch.empty(padded, device=dev)
-        y = torch.empty(n, dtype=torch.float16, device=dev)
-        amax = torch.empty(1, device=dev)
-        out_tab = E.packet_table([None, *send[1:]], layout, spec)
-        gat_tab = E.packet_table(list(gathered), layout, spec)
+        x, m1, m2, corr, u, send, gathered = b.x, b.m1, b.m2, b.corr, b.u, b.send, b.gathered
+        own, resid, y, amax, out_tab, gat_tab = b.own, b.resid, b.y, b.amax, b.out_tab, b.gat_tab
+        del b
         cb = S // 2 + 4 * G  # one segment's codes + params
         results = {}
 

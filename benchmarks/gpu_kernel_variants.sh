@@ -11,12 +11,7 @@ set -u
 OUT=${OUT:-/tmp/echo_out}
 mkdir -p "$OUT"
 ROWS=${VARIANT_ROWS:-copy,entry,entry+corr,entry+rot,owner_reduce,dequantize,dequantize+rot}
-export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-fi
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/gpu_env.sh
 
 build_variants() {
   for v in ${VARIANTS:-}; do

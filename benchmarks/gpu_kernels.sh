@@ -11,16 +11,8 @@
 set -u
 OUT=${OUT:-/tmp/echo_out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "wheel install failed"; exit 1; }
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 echo "TORCH_CUDA_ARCH_LIST from the image: ${TORCH_CUDA_ARCH_LIST:-unset}"
-export TORCH_CUDA_ARCH_LIST=9.0  # DeepSpeed's parser rejects forms such as 9.0a
-export MAX_JOBS=${MAX_JOBS:-16}
+source benchmarks/gpu_env.sh
 export DS_NVCC_THREADS=${DS_NVCC_THREADS:-4}
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv;
@@ -51,7 +43,7 @@ tail -3 "$OUT/ds_build.log"
 
 timeout 240 python3 benchmarks/bench_kernels.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^|"
 
-so=$(ls /tmp/torch_ext/echo_ds_ops/*.so 2>/dev/null | head -1)
+so=$(ls "$TORCH_EXTENSIONS_DIR"/echo_ds_ops/*.so 2>/dev/null | head -1)
 if [ -n "$so" ] && command -v cuobjdump >/dev/null; then
   cuobjdump --dump-sass "$so" > /tmp/sass.txt 2>&1
   { echo "FFMA instructions in $so: $(grep -c FFMA /tmp/sass.txt)"; echo "HFMA2: $(grep -c HFMA /tmp/sass.txt)";

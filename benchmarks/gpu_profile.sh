@@ -10,15 +10,7 @@
 set -u
 OUT=${OUT:-/tmp/echo_prof}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "wheel install failed"; exit 1; }
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-export TORCH_CUDA_ARCH_LIST=9.0
-export MAX_JOBS=${MAX_JOBS:-16}
+source benchmarks/gpu_env.sh
 
 # Build both extensions outside the profiler (ncu would otherwise wait on nvcc under its own hooks).
 python3 -c "

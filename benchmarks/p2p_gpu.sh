@@ -15,18 +15,9 @@ OUT=${OUT:-/tmp/p2p_out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "wheel install failed"; exit 1; }
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
-export TORCH_CUDA_ARCH_LIST=9.0
-export MAX_JOBS=${MAX_JOBS:-16}
+source benchmarks/gpu_env.sh
 export ECHO_DS_BUILD_DIR=/tmp/echo_build
 export ECHO_P2P_LOG=$OUT/p2p_log.txt
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 : > "$ECHO_P2P_LOG"
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nvcc --version | tail -1

@@ -18,9 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_kernels import G_SIZE, P, load_ds_quantizer, parse_bytes  # noqa: E402
+from bench_kernels import G_SIZE, P, load_ds_quantizer, parse_bytes, stage_buffers  # noqa: E402
 
-from echo_ds import collective as C  # noqa: E402
 from echo_ds.quant import QuantSpec  # noqa: E402
 
 
@@ -40,21 +39,12 @@ def main():
         print("DeepSpeed quantizer unavailable:", ds_error)
     dev = torch.device("cuda")
     n = parse_bytes(args.bytes) // 2
-    layout = C.Layout(n, P, G_SIZE)
-    S, padded = layout.segment_numel, layout.padded_numel
     spec = QuantSpec(bits=4, group_size=G_SIZE, policy="zero_aware")
     spec_rot = QuantSpec(bits=4, group_size=G_SIZE, policy="zero_aware", rotation=True)
     coeffs = E.CompensatorCoefficients.of(Compensator(DirectionConfig()))
-    x = (torch.randn(n, device=dev) * 2.0).to(torch.float16)
-    m1 = torch.randn(padded, device=dev) * 1e-2
-    m2 = torch.randn(padded, device=dev) * 1e-2
-    corr = torch.randn(padded, device=dev) * 1e-2
-    send = E.alloc_packets(P, layout, spec, dev)
-    gathered = E.alloc_packets(P, layout, spec, dev)
-    own = torch.empty(S, device=dev)
-    y = torch.empty(n, dtype=torch.float16, device=dev)
-    out_tab = E.packet_table([None, *send[1:]], layout, spec)
-    gat_tab = E.packet_table(list(gathered), layout, spec)
+    b = stage_buffers(n, spec, dev)
+    layout, x, m1, m2, corr, send, gathered = b.layout, b.x, b.m1, b.m2, b.corr, b.send, b.gathered
+    own, y, out_tab, gat_tab = b.own, b.y, b.out_tab, b.gat_tab
     E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab, own_out=own)
     for j in range(1, P):
         gathered[j].copy_(send[j])
