@@ -645,6 +645,21 @@ __device__ __forceinline__ int pow2_exponent(const float* amax_ptr) {
 // 2^k for k in [-126, 126], exactly.
 __device__ __forceinline__ float exp2_int(int k) { return __int_as_float((127 + k) << 23); }
 
+// Residual "local" of one lane (Compensator, residual "local"): u = -(e 2^-k), e = decode(codes) - v, the
+// rounding error the codes carry against the values v they quantized, scaled back when rescaling by 2^k.
+template <int kBits>
+__device__ __forceinline__ void local_residual(const Codes<kBits>& codes, const GroupParams& p,
+                                               const float (&v)[kElemsPerThread], int k,
+                                               float (&u)[kElemsPerThread]) {
+  decode<kBits>(codes, p.scale, p.zero, u);
+  const float down = exp2_int(-k);
+#pragma unroll
+  for (int i = 0; i < kElemsPerThread; ++i) {
+    const float err = f_sub(u[i], v[i]);
+    u[i] = -(k != 0 ? f_mul(err, down) : err);
+  }
+}
+
 // r' of one thread: rotate(x) + c, with c from the state (m1, m2) or precomputed (correction).
 // v holds x on entry; the state is loaded before the rotation so that its loads are in flight meanwhile.
 // e: the group's first element in the padded arrays.

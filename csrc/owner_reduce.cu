@@ -65,15 +65,8 @@ __global__ void ECHO_KERNEL_BOUNDS(4) owner_reduce_kernel(const OwnerReduceArgs 
 
   if (a.residual_out != nullptr) {
     // residual "local", own share: e = s_hat_scaled - acc, u = -(e 2^-k).
-    const int k = pow2_exponent(a.pow2_amax);
-    const float down = exp2_int(-k);
     float u[kElemsPerThread];
-    decode<kBits>(codes, p.scale, p.zero, u);
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) {
-      const float err = f_sub(u[i], acc[i]);
-      u[i] = -(k != 0 ? f_mul(err, down) : err);
-    }
+    local_residual<kBits>(codes, p, acc, pow2_exponent(a.pow2_amax), u);
     store_thread_f32<kLanes>(a.residual_out + in_seg, lane, u);
   }
 }

@@ -45,15 +45,9 @@ __global__ void ECHO_KERNEL_BOUNDS(4) push_quantize_kernel(const PushQuantizeArg
   }
 
   if (a.residual_out != nullptr) {
-    // residual "local": u = -(e 2^-k), e = decode(codes) - rs, the rounding error this rank added.
+    // residual "local" of the sent segments: the rounding error this rank added to rs.
     float u[kElemsPerThread];
-    decode<kBits>(codes, p.scale, p.zero, u);
-    const float down = exp2_int(-k);
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) {
-      const float err = f_sub(u[i], v[i]);
-      u[i] = -(k != 0 ? f_mul(err, down) : err);
-    }
+    local_residual<kBits>(codes, p, v, k, u);
     store_thread_f32<kLanes>(a.residual_out + e, lane, u);
   }
 }
