@@ -38,21 +38,19 @@ an input that needs no gradient) there is no backward site, and the unsplit proj
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from echo_ds.eval.tp_emulation import (Partition, TPEmulator, WireStats, _config_attr, even_partition,
-                                       head_partition)
+from echo_ds.eval.tp_emulation import (Partition, SiteEmulator, TPEmulator, _config_attr, even_partition,
+                                       head_partition, site_layer_index)
 
 # Module-name suffixes of the column-parallel projections, per shared input (Llama/Qwen naming).
 kQkvSuffixes = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 kGateUpSuffixes = ("mlp.gate_proj", "mlp.up_proj")
 BACKWARD_SITE_KINDS = ("qkv_in", "gate_up_in")
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -99,12 +97,7 @@ def plan_backward_sites(model: torch.nn.Module, world_size: int) -> list:
             suffix = next((s for s in suffixes if name.endswith(s)), None)
             if suffix is None:
                 continue
-            if not isinstance(module, torch.nn.Linear):
-                raise ValueError(f"{name} is a {type(module).__name__}, not an nn.Linear: cannot split it")
-            match = _LAYER_RE.search(name)
-            if match is None:
-                raise ValueError(f"cannot tell the layer index of {name}")
-            key = (int(match.group(1)), BACKWARD_SITE_KINDS.index(kind))
+            key = (site_layer_index(name, module), BACKWARD_SITE_KINDS.index(kind))
             found.setdefault(key, {})[suffixes.index(suffix)] = (name, module, suffix)
     if not found:
         raise ValueError("no column-parallel sites found: expected Llama-style modules named "
@@ -170,7 +163,7 @@ def exact_reduce(parts: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-class BackwardSites:
+class BackwardSites(SiteEmulator):
     """Owns the emulated backward sites of one model (one compensator for the backward direction).
 
     Usage (normally through :class:`TrainingTPEmulator`)::
@@ -184,60 +177,31 @@ class BackwardSites:
 
     def __init__(self, model: torch.nn.Module, world_size: int, plans: list | None = None,
                  always_split: bool = False):
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size} must be >= 1")
-        self.model = model
-        self.world_size = world_size
-        self.plans = plans if plans is not None else plan_backward_sites(model, world_size)
+        super().__init__(model, world_size, plans if plans is not None else plan_backward_sites(model, world_size))
         self.always_split = always_split
-        self.config = None
         self._op = None
         self._fanouts = {}          # site index -> (input tensor, its P aliases), this pass only
-        self.stats = WireStats()
         self.num_reduces = 0        # backward reduces since the last set_config
-        self._installed = False
         self.install()
 
-    @property
-    def num_sites(self) -> int:
-        return len(self.plans)
+    def _site_forwards(self):
+        return [(module, self._site_forward(plan, module, partition))
+                for plan in self.plans for module, partition in zip(plan.modules, plan.partitions)]
 
-    def install(self) -> None:
-        if self._installed:
-            return
-        for plan in self.plans:
-            for module, partition in zip(plan.modules, plan.partitions):
-                module.forward = self._site_forward(plan, module, partition)
-        self._installed = True
+    def _site_modules(self):
+        return [module for plan in self.plans for module in plan.modules]
 
-    def close(self) -> None:
-        if not self._installed:
-            return
-        for plan in self.plans:
-            for module in plan.modules:
-                del module.forward
-        self._installed = False
+    def _drop_config_state(self) -> None:
         self._op = None
         self._fanouts = {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def set_config(self, config) -> None:
         """Use ``config`` (an EchoConfig) from now on; None or disabled: exact (unsplit unless always_split)."""
-        if config is not None and not getattr(config, "enabled", True):
-            config = None
-        self.config = config
-        self._op = None
-        if config is not None:
+        super().set_config(config)
+        if self.config is not None:
             from echo_ds.emulate import CompensatedAllReduce
-            self._op = CompensatedAllReduce(self.world_size, config, direction="backward")
-        self.stats = WireStats()
+            self._op = CompensatedAllReduce(self.world_size, self.config, direction="backward")
         self.num_reduces = 0
-        self._fanouts = {}
 
     def begin_pass(self) -> None:
         """Start a new pass: the backward compensator's averages back to zero."""

@@ -136,6 +136,16 @@ def _config_attr(config, *names, default=None):
     return default
 
 
+def site_layer_index(name: str, module: torch.nn.Module) -> int:
+    """The layer index of the site ``name`` ("...layers.<i>...."), which must be an ``nn.Linear``."""
+    if not isinstance(module, torch.nn.Linear):
+        raise ValueError(f"{name} is a {type(module).__name__}, not an nn.Linear: cannot split it")
+    match = _LAYER_RE.search(name)
+    if match is None:
+        raise ValueError(f"cannot tell the layer index of {name}")
+    return int(match.group(1))
+
+
 def plan_forward_sites(model: torch.nn.Module, world_size: int) -> list:
     """The forward sites of ``model`` at TP degree ``world_size``, in execution order.
 
@@ -153,12 +163,7 @@ def plan_forward_sites(model: torch.nn.Module, world_size: int) -> list:
             kind = "mlp_down"
         if kind is None:
             continue
-        if not isinstance(module, torch.nn.Linear):
-            raise ValueError(f"{name} is a {type(module).__name__}, not an nn.Linear: cannot split it")
-        match = _LAYER_RE.search(name)
-        if match is None:
-            raise ValueError(f"cannot tell the layer index of {name}")
-        found.append((int(match.group(1)), SITE_KINDS.index(kind), kind, name, module))
+        found.append((site_layer_index(name, module), SITE_KINDS.index(kind), kind, name, module))
     if not found:
         raise ValueError("no tensor-parallel sites found: expected Llama-style modules named "
                          f"'layers.<i>.{kAttentionOutputSuffixes[0]}' and 'layers.<i>.{kMlpDownSuffixes[0]}'")
@@ -229,7 +234,69 @@ class WireStats:
         self.bits_per_site[site_index] = bits
 
 
-class TPEmulator:
+class SiteEmulator:
+    """What the forward and backward site emulators share: while installed (``install``/``close``, or a
+    ``with`` block) the ``forward`` of every site's module is replaced; ``set_config`` takes an EchoConfig
+    (None, or ``"enabled": false``: the exact path). Subclasses say which modules and what replaces them,
+    and what state a new config or ``close`` drops."""
+
+    def __init__(self, model: torch.nn.Module, world_size: int, plans: list):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        self.model = model
+        self.world_size = world_size
+        self.plans = plans
+        self.config = None
+        self.stats = WireStats()
+        self._installed = False
+
+    @property
+    def num_sites(self) -> int:
+        return len(self.plans)
+
+    def _site_forwards(self):
+        """(module, replacement forward) of every site."""
+        raise NotImplementedError
+
+    def _site_modules(self):
+        """Every module whose forward install() replaces."""
+        raise NotImplementedError
+
+    def _drop_config_state(self) -> None:
+        """Forget what belongs to the current config (compensator state, per-pass records)."""
+
+    def install(self) -> None:
+        if self._installed:
+            return
+        for module, forward in self._site_forwards():
+            module.forward = forward
+        self._installed = True
+
+    def close(self) -> None:
+        """Give every site its original ``forward`` back."""
+        if not self._installed:
+            return
+        for module in self._site_modules():
+            del module.forward
+        self._installed = False
+        self._drop_config_state()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def set_config(self, config) -> None:
+        """Use ``config`` from now on; None or disabled: the exact path."""
+        if config is not None and not getattr(config, "enabled", True):
+            config = None
+        self.config = config
+        self.stats = WireStats()
+        self._drop_config_state()
+
+
+class TPEmulator(SiteEmulator):
     """Owns the emulated TP sites of one model: installs them, runs the reduce, restores the model.
 
     Usage::
@@ -244,52 +311,19 @@ class TPEmulator:
     """
 
     def __init__(self, model: torch.nn.Module, world_size: int, plans: list | None = None):
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size} must be >= 1")
-        self.model = model
-        self.world_size = world_size
-        self.plans = plans if plans is not None else plan_forward_sites(model, world_size)
-        self.config = None
+        super().__init__(model, world_size, plans if plans is not None else plan_forward_sites(model, world_size))
         self._ops = {}
-        self.stats = WireStats()
-        self._installed = False
         self.install()
 
-    @property
-    def num_sites(self) -> int:
-        return len(self.plans)
+    # -- lifecycle and configuration (SiteEmulator) ----------------------------------------------------
+    def _site_forwards(self):
+        return [(plan.module, self._site_forward(plan)) for plan in self.plans]
 
-    # -- lifecycle -------------------------------------------------------------------------------------
-    def install(self) -> None:
-        if self._installed:
-            return
-        for plan in self.plans:
-            plan.module.forward = self._site_forward(plan)
-        self._installed = True
+    def _site_modules(self):
+        return [plan.module for plan in self.plans]
 
-    def close(self) -> None:
-        """Give every site its original ``forward`` back."""
-        if not self._installed:
-            return
-        for plan in self.plans:
-            del plan.module.forward
-        self._installed = False
+    def _drop_config_state(self) -> None:
         self._ops = {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # -- configuration ---------------------------------------------------------------------------------
-    def set_config(self, config) -> None:
-        """Use ``config`` (an ``echo_ds.config.EchoConfig``) from now on; None or disabled: exact path."""
-        if config is not None and not getattr(config, "enabled", True):
-            config = None
-        self.config = config
-        self._ops = {}
-        self.stats = WireStats()
 
     def begin_pass(self) -> None:
         """Start a new pass: every compensator's averages back to zero."""
