@@ -135,6 +135,19 @@ def test_model_without_sites_is_rejected():
         tpe.plan_forward_sites(torch.nn.Sequential(torch.nn.Linear(4, 4)), world_size=2)
 
 
+def test_site_that_cannot_be_split_is_rejected():
+    # A site name whose module is not an nn.Linear, and an nn.Linear site outside any "layers.<i>".
+    model = tiny_llama(num_layers=1)
+    model.model.layers[0].mlp.down_proj = torch.nn.Identity()
+    with pytest.raises(ValueError, match="not an nn.Linear"):
+        tpe.plan_forward_sites(model, world_size=2)
+    stray = torch.nn.Module()
+    stray.self_attn = torch.nn.Module()
+    stray.self_attn.o_proj = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="cannot tell the layer index of self_attn.o_proj"):
+        tpe.plan_forward_sites(stray, world_size=2)
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_16bit_path_is_bit_for_bit_the_unhooked_model(world_size):
     model = tiny_llama(bias=True)
