@@ -135,6 +135,14 @@ def test_model_without_sites_is_rejected():
         tpe.plan_forward_sites(torch.nn.Sequential(torch.nn.Linear(4, 4)), world_size=2)
 
 
+def test_world_size_below_one_is_rejected_before_planning():
+    from echo_ds.eval.tp_backward import BackwardSites
+
+    for cls in (TPEmulator, BackwardSites):
+        with pytest.raises(ValueError, match="world_size=0 must be >= 1"):
+            cls(tiny_llama(num_layers=1), 0)
+
+
 def test_site_that_cannot_be_split_is_rejected():
     # A site name whose module is not an nn.Linear, and an nn.Linear site outside any "layers.<i>".
     model = tiny_llama(num_layers=1)

@@ -177,7 +177,7 @@ class BackwardSites(SiteEmulator):
 
     def __init__(self, model: torch.nn.Module, world_size: int, plans: list | None = None,
                  always_split: bool = False):
-        super().__init__(model, world_size, plans if plans is not None else plan_backward_sites(model, world_size))
+        super().__init__(model, world_size, plans, plan_backward_sites)
         self.always_split = always_split
         self._op = None
         self._fanouts = {}          # site index -> (input tensor, its P aliases), this pass only

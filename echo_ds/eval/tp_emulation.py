@@ -238,14 +238,14 @@ class SiteEmulator:
     """What the forward and backward site emulators share: while installed (``install``/``close``, or a
     ``with`` block) the ``forward`` of every site's module is replaced; ``set_config`` takes an EchoConfig
     (None, or ``"enabled": false``: the exact path). Subclasses say which modules and what replaces them,
-    and what state a new config or ``close`` drops."""
+    and what state a new config or ``close`` drops. ``plans`` None: ``planner(model, world_size)``."""
 
-    def __init__(self, model: torch.nn.Module, world_size: int, plans: list):
+    def __init__(self, model: torch.nn.Module, world_size: int, plans: list | None, planner):
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         self.model = model
         self.world_size = world_size
-        self.plans = plans
+        self.plans = plans if plans is not None else planner(model, world_size)
         self.config = None
         self.stats = WireStats()
         self._installed = False
@@ -311,7 +311,7 @@ class TPEmulator(SiteEmulator):
     """
 
     def __init__(self, model: torch.nn.Module, world_size: int, plans: list | None = None):
-        super().__init__(model, world_size, plans if plans is not None else plan_forward_sites(model, world_size))
+        super().__init__(model, world_size, plans, plan_forward_sites)
         self._ops = {}
         self.install()
 
