@@ -686,14 +686,6 @@ __device__ __forceinline__ void compensated_input(float (&v)[kElemsPerThread], i
 
 __host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Grid of `rows` rows (blockIdx.y: a segment) of `groups` groups each (blockIdx.x), kLanes lanes per group:
-// the segment comes from the block row, so no thread divides by the group count.
-template <int kLanes>
-inline dim3 grid_of_rows(int64_t groups, int rows) {
-  const int64_t blocks = (groups * kLanes + kThreadsPerBlock - 1) / kThreadsPerBlock;
-  ECHO_HOST_ASSERT(blocks < (int64_t(1) << 31) && rows >= 1 && rows <= 65535, "launch too large");
-  return dim3(static_cast<unsigned>(blocks < 1 ? 1 : blocks), static_cast<unsigned>(rows), 1u);
-}
 // (group within the row, lane) of this thread under grid_of_rows.
 template <int kLanes>
 __device__ __forceinline__ int64_t group_in_row(int& lane) {
@@ -706,6 +698,14 @@ inline unsigned num_blocks(int64_t num_threads) {
   const int64_t blocks = (num_threads + kThreadsPerBlock - 1) / kThreadsPerBlock;
   ECHO_HOST_ASSERT(blocks < (int64_t(1) << 31), "launch too large");
   return static_cast<unsigned>(blocks < 1 ? 1 : blocks);
+}
+
+// Grid of `rows` rows (blockIdx.y: a segment) of `groups` groups each (blockIdx.x), kLanes lanes per group:
+// the segment comes from the block row, so no thread divides by the group count.
+template <int kLanes>
+inline dim3 grid_of_rows(int64_t groups, int rows) {
+  ECHO_HOST_ASSERT(rows >= 1 && rows <= 65535, "launch too large");
+  return dim3(num_blocks(groups * kLanes), static_cast<unsigned>(rows), 1u);
 }
 
 }  // namespace detail

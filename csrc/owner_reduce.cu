@@ -12,9 +12,8 @@ template <int kWorld, int kBits, int kGroupSize>
 __global__ void ECHO_KERNEL_BOUNDS(4) owner_reduce_kernel(const OwnerReduceArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
-  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
-  const int64_t item = tid / kLanes;
-  const int lane = static_cast<int>(tid % kLanes);
+  int lane;
+  const int64_t item = group_in_row<kLanes>(lane);  // one row: the owned segment
   if (item >= a.num_groups) return;
   const int64_t gi = a.group_begin + item;
   const int64_t in_seg = gi * kGroupSize;  // the group's first element in the segment
@@ -85,7 +84,8 @@ void launch_owner_reduce(const OwnerReduceArgs& a, cudaStream_t stream) {
   if (a.num_groups == 0) return;
   ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
-    owner_reduce_kernel<kWorld, kBits, kGroup><<<num_blocks(a.num_groups * kLanes), kThreadsPerBlock, 0, stream>>>(a);
+    const dim3 grid = grid_of_rows<kLanes>(a.num_groups, 1);
+    owner_reduce_kernel<kWorld, kBits, kGroup><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     ECHO_CHECK(cudaGetLastError());
   })));
 }

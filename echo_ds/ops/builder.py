@@ -8,7 +8,7 @@ Numerics: the kernels reproduce the reference bit for bit, so this builder does 
 default nvcc flags, which include ``--use_fast_math`` (approximate division, flush-to-zero, contraction
 into FMA). It passes ``-fmad=false --ftz=false --prec-div=true --prec-sqrt=true`` instead.
 
-Kernel experiments: ``ECHO_DS_NVCC_EXTRA`` appends flags to nvcc (e.g. ``-DECHO_CHUNK_ELEMS=8``, see
+Kernel experiments: ``ECHO_DS_NVCC_EXTRA`` appends flags to nvcc (e.g. ``-DECHO_CHUNK_ELEMS=4``, see
 csrc/echo_common.cuh); give each variant its own ``TORCH_EXTENSIONS_DIR``.
 
 Targets: sm_90 by default (the H100/H200 this project runs on); ``TORCH_CUDA_ARCH_LIST`` adds others,
