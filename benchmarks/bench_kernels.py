@@ -49,6 +49,10 @@ from echo_ds.quant import QuantSpec  # noqa: E402
 
 P = 4
 G_SIZE = 128
+# Every row the benchmark can time, in table order (the docstring says what each is).
+ROWS = ("copy", "ds_quantize", "ds_dequantize", "entry", "entry+comp", "entry+corr", "entry+rot",
+        "entry+comp+rot+local", "pow2_amax", "owner_reduce", "dequantize", "dequantize+rot", "update_output",
+        "update_local", "torch_compensator")
 
 
 def parse_bytes(s: str) -> int:
@@ -141,6 +145,9 @@ def main():
     ap.add_argument("--json", default=None, help="write all numbers here")
     ap.add_argument("--only", default=None, help="comma-separated row names to time (default: every row)")
     args = ap.parse_args()
+    only = None if args.only is None else set(args.only.split(","))
+    if only is not None and not only <= set(ROWS):
+        ap.error(f"--only: unknown rows {sorted(only - set(ROWS))} (rows: {', '.join(ROWS)})")
 
     import echo_ds.ops as E
     from echo_ds.compensator import Compensator
@@ -167,7 +174,6 @@ def main():
           f"elementwise kernel {4 * big.numel() / t_kernel / 1e9:.3f} TB/s; ceiling {copy_bw / 1e12:.3f} TB/s")
     del big, big_out
 
-    only = None if args.only is None else set(args.only.split(","))
     rows = []
     sizes = []
     s = parse_bytes(args.min_bytes)
@@ -192,6 +198,7 @@ def main():
         results = {}
 
         def add(name, fn, nbytes, check=""):
+            assert name in ROWS, f"row {name!r} missing from ROWS"
             if only is not None and name not in only:
                 return
             med, lo, hi = time_op(fn, args.reps, args.iters)

@@ -69,6 +69,9 @@ def main():
         ops["ds_quantize"] = lambda: ds.quantize(x, groups, 4, ds.Asymmetric)
         ops["ds_dequantize"] = lambda: ds.dequantize(q, params, groups, 4, ds.Asymmetric)
     names = list(ops) if args.ops == "all" else args.ops.split(",")
+    unknown = [name for name in names if name not in ops]
+    if unknown:
+        raise SystemExit(f"--ops: unknown {unknown} (ops here: {', '.join(ops)})")
     for name in names:
         ops[name]()
     torch.cuda.synchronize()

@@ -42,7 +42,6 @@ from echo_ds.eval import perplexity as PPL  # noqa: E402
 from echo_ds.eval.tp_emulation import TPEmulator  # noqa: E402
 
 STORAGES = ("fp32", "bf16", "fp16", "int8", "corr_bf16")
-STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": None, "corr_bf16": 4.0}
 DEFAULT_CONFIGS = (
     "ds_configs/eval/4bit_hadamard_local_gain1.0_g128.json",  # the shipped default (residual local)
     "ds_configs/eval/4bit_full.json",                         # the paper's method (residual output)
@@ -73,7 +72,7 @@ class StoredStateCompensator(Compensator):
 
     def correction(self, shape, device) -> torch.Tensor:
         c = super().correction(shape, device)
-        return c.to(torch.bfloat16).float() if self.storage == "corr_bf16" else c
+        return round_through(c, "bf16") if self.storage == "corr_bf16" else c
 
     def update(self, u: torch.Tensor) -> None:
         super().update(u)
