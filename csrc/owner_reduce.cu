@@ -8,8 +8,13 @@ namespace {
 
 using namespace detail;
 
+// Resident blocks per SM: the P - 1 copies are loaded together, so the registers a thread needs grow with P;
+// these are the most blocks at which ptxas allocates every instantiation without spilling (64, 85 and 128
+// registers). Fewer resident threads are fine here: each has (P - 1) code loads in flight.
+constexpr int owner_min_blocks(int world_size) { return world_size <= 2 ? 4 : (world_size <= 4 ? 3 : 2); }
+
 template <int kWorld, int kBits, int kGroupSize>
-__global__ void ECHO_KERNEL_BOUNDS(4) owner_reduce_kernel(const OwnerReduceArgs a) {
+__global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel(const OwnerReduceArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
   int lane;
