@@ -660,6 +660,8 @@ __device__ __forceinline__ void local_residual(const Codes<kBits>& codes, const 
   }
 }
 
+__host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
 // r' of one thread: rotate(x) + c, with c from the state (m1, m2) or precomputed (correction).
 // v holds x on entry; the state is loaded before the rotation so that its loads are in flight meanwhile.
 // e: the group's first element in the padded arrays.
@@ -684,7 +686,20 @@ __device__ __forceinline__ void compensated_input(float (&v)[kElemsPerThread], i
   }
 }
 
-__host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// rs of one thread for the group at element e of the padded tensor: (rotate(x) + c) 2^k, the values the
+// entry quantizes and the owner sums unquantized. numel: n of the call (zeros past it).
+template <typename T, int kLanes>
+__device__ __forceinline__ void contribution(const Contribution& s, int64_t e, int lane, int64_t numel, int k,
+                                             float (&v)[kElemsPerThread]) {
+  load_thread<T, kLanes>(static_cast<const T*>(s.x), e, lane, numel, aligned16(s.x), v);
+  compensated_input<kLanes>(v, lane, e, s.hadamard, s.m1, s.m2, s.correction, s.coeffs);
+  if (k != 0) {
+    const float up = exp2_int(k);
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], up);
+  }
+}
+
 
 // (group within the row, lane) of this thread under grid_of_rows.
 template <int kLanes>
@@ -692,6 +707,13 @@ __device__ __forceinline__ int64_t group_in_row(int& lane) {
   const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
   lane = static_cast<int>(tid % kLanes);
   return tid / kLanes;
+}
+
+// The host-side invariants of a Contribution (the binding checks them with clearer messages first).
+inline void check_contribution(const Contribution& s) {
+  ECHO_HOST_ASSERT(s.x != nullptr, "x is required");
+  ECHO_HOST_ASSERT(!(s.m1 != nullptr && s.correction != nullptr), "pass the state or the correction, not both");
+  ECHO_HOST_ASSERT((s.m1 == nullptr) == (s.m2 == nullptr), "m1 and m2 come together");
 }
 
 inline unsigned num_blocks(int64_t num_threads) {
