@@ -39,13 +39,20 @@ def test_every_cu_file_is_built():
     assert on_disk == sorted(_cuda_sources()), "every csrc/*.cu must be a source of EchoBuilder"
 
 
+_SPILL_LINE = re.compile(r"spilled to local memory in function '([^']+)', (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
 def _spilled_functions(log: str) -> list:
-    """The ptxas -warn-spills lines of ``log`` ("Registers are spilled to local memory in function ...,
-    N bytes spill stores, M bytes spill loads"), each shortened to the function and the byte counts."""
-    found = re.findall(r"spilled to local memory in function '([^']+)', (\d+) bytes spill stores, (\d+) bytes spill loads",
-                       log)
-    unparsed = "spill" in log.lower() and not found
-    return [f"{fn}: {st} B stored, {ld} B loaded" for fn, st, ld in found] + (["(unparsed) " + log] if unparsed else [])
+    """Every line of ``log`` that speaks of spills: the ptxas -warn-spills lines ("Registers are spilled to
+    local memory in function ..., N bytes spill stores, M bytes spill loads") shortened to the function and
+    the byte counts, any other such line whole (marked unparsed)."""
+    found = []
+    for line in log.splitlines():
+        if "spill" not in line.lower():
+            continue
+        m = _SPILL_LINE.search(line)
+        found.append(f"{m[1]}: {m[2]} B stored, {m[3]} B loaded" if m else "(unparsed) " + line)
+    return found
 
 
 def _compile(cmd, cwd):
@@ -106,3 +113,4 @@ def test_spill_lines_are_recognised():
     assert len(_spilled_functions(line + "\n" + line.replace("400", "8"))) == 2
     assert _spilled_functions("ptxas info    : Used 64 registers, used 0 barriers") == []
     assert _spilled_functions("some other spill message") == ["(unparsed) some other spill message"]
+    assert _spilled_functions(line + "\nsome other spill message")[1] == "(unparsed) some other spill message"
