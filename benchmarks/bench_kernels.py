@@ -23,7 +23,7 @@ Rows:
   entry+sym            ... with the symmetric quantizer (its parameters cost a fraction of the zero-aware ones)
   entry+comp+rot+local ... all of it, residual "local" (writes u of the sent segments)
   pow2_amax            max |x| (backward rescaling)
-  owner_reduce         P - 1 copies + own fp32 segment -> reduced codes
+  owner_reduce         P - 1 copies + the own segment formed from x -> reduced codes
   dequantize           all P segments -> y (fp16)
   dequantize+rot       ... with the inverse rotation
   update_output        compensator update, residual "output" (reads x, state, codes; writes the state)
@@ -110,13 +110,12 @@ def stage_buffers(n: int, spec, dev):
     import echo_ds.ops as E
 
     layout = C.Layout(n, P, spec.group_size)
-    S, padded = layout.segment_numel, layout.padded_numel
+    padded = layout.padded_numel
     b = types.SimpleNamespace(layout=layout, n=n)
     b.x = (torch.randn(n, device=dev) * 2.0).to(torch.float16)
     b.m1, b.m2, b.corr, b.u = (torch.randn(padded, device=dev) * 1e-2 for _ in range(4))
     b.send = E.alloc_packets(P, layout, spec, dev)
     b.gathered = E.alloc_packets(P, layout, spec, dev)
-    b.own = torch.empty(S, device=dev)
     b.resid = torch.empty(padded, device=dev)
     b.y = torch.empty(n, dtype=torch.float16, device=dev)
     b.amax = torch.empty(1, device=dev)
@@ -193,7 +192,7 @@ def main():
         layout = b.layout
         G, S, padded = layout.groups_per_segment, layout.segment_numel, layout.padded_numel
         x, m1, m2, corr, u, send, gathered = b.x, b.m1, b.m2, b.corr, b.u, b.send, b.gathered
-        own, resid, y, amax, out_tab, gat_tab = b.own, b.resid, b.y, b.amax, b.out_tab, b.gat_tab
+        resid, y, amax, out_tab, gat_tab = b.resid, b.y, b.amax, b.out_tab, b.gat_tab
         del b
         cb = S // 2 + 4 * G  # one segment's codes + params
         results = {}
@@ -229,32 +228,31 @@ def main():
         else:
             rows.append(dict(size=size, op="ds_quantize", ms=None, check=f"build FAILED: {ds_error}"))
 
-        sent_bytes = (P - 1) * cb
-        base = 2 * n + sent_bytes + 4 * S
+        sent = (P - 1) * S  # elements of the sent segments: the entry reads their x (and state) only
+        base = 2 * sent + (P - 1) * cb
 
         def entry(spec=spec, **kw):
-            return lambda: E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab, own_out=own, **kw)
+            return lambda: E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab, **kw)
 
-        # Correctness at this size: the entry's first sent segment and own segment vs the reference.
-        E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab, own_out=own)
+        # Correctness at this size: the entry's first sent segment vs the reference.
+        E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab)
         segs = C.to_segments(x.reshape(1, -1), layout)[0]
         rc, rsc, rz = C.quantize_segments(segs[1], spec)
         kc, ks, kz = E.packet_views(send[1], layout, spec)
-        ok = torch.equal(kc, rc) and torch.equal(ks.view(torch.int16), rsc.view(torch.int16)) and \
-            torch.equal(own, segs[0].reshape(-1))
+        ok = torch.equal(kc, rc) and torch.equal(ks.view(torch.int16), rsc.view(torch.int16))
         del segs, rc, rsc, rz
         add("entry", entry(), base, "bit-exact" if ok else "MISMATCH")
-        add("entry+comp", entry(m1=m1, m2=m2, coeffs=coeffs), base + 8 * padded)
-        add("entry+corr", entry(correction=corr), base + 4 * padded)
+        add("entry+comp", entry(m1=m1, m2=m2, coeffs=coeffs), base + 8 * sent)
+        add("entry+corr", entry(correction=corr), base + 4 * sent)
         add("entry+rot", entry(spec=spec_rot), base)
         add("entry+sym", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="symmetric")), base)
         add("entry+comp+rot+local", entry(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, residual_out=resid),
-            base + 8 * padded + 4 * (P - 1) * S)
+            base + 12 * sent)
         add("pow2_amax", lambda: E.pow2_amax(x, amax, world_size=P, spec=spec), 2 * n)
         copies = E.packet_table([None, *send[1:]], layout, spec)
-        add("owner_reduce", lambda: E.owner_reduce(own, numel=n, rank=0, world_size=P, spec=spec, copies=copies,
+        add("owner_reduce", lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec, copies=copies,
                                                    out=E.packet_table([gathered[0], None, None, None], layout, spec)),
-            4 * S + (P - 1) * cb + cb)
+            2 * S + (P - 1) * cb + cb)
         for j in range(1, P):
             gathered[j].copy_(send[j])
         E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab)
@@ -290,7 +288,7 @@ def main():
                   f"+{100 * (results['entry+rot'] / results['entry'] - 1):.0f}%; unfused PyTorch compensator: "
                   f"{results['torch_compensator']:.4f} ms, fused update (off the critical path): "
                   f"{results['update_output']:.4f} ms")
-        del x, m1, m2, corr, u, send, gathered, own, resid, y
+        del x, m1, m2, corr, u, send, gathered, resid, y
         torch.cuda.empty_cache()
 
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device=props.name,

@@ -44,20 +44,20 @@ def main():
     coeffs = E.CompensatorCoefficients.of(Compensator(DirectionConfig()))
     b = stage_buffers(n, spec, dev)
     layout, x, m1, m2, corr, send, gathered = b.layout, b.x, b.m1, b.m2, b.corr, b.send, b.gathered
-    own, y, out_tab, gat_tab = b.own, b.y, b.out_tab, b.gat_tab
-    E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab, own_out=own)
+    y, out_tab, gat_tab = b.y, b.out_tab, b.gat_tab
+    E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab)
     for j in range(1, P):
         gathered[j].copy_(send[j])
 
     def entry(s=spec, **kw):
-        return lambda: E.push_quantize(x, rank=0, world_size=P, spec=s, out=out_tab, own_out=own, **kw)
+        return lambda: E.push_quantize(x, rank=0, world_size=P, spec=s, out=out_tab, **kw)
 
     ops = {
         "entry": entry(),
         "entry_corr": entry(correction=corr),
         "entry_comp": entry(m1=m1, m2=m2, coeffs=coeffs),
         "entry_rot": entry(spec_rot),
-        "owner_reduce": lambda: E.owner_reduce(own, numel=n, rank=0, world_size=P, spec=spec,
+        "owner_reduce": lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec,
                                                copies=E.packet_table([None, *send[1:]], layout, spec),
                                                out=E.packet_table([gathered[0], None, None, None], layout, spec)),
         "dequantize": lambda: E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab),

@@ -6,10 +6,10 @@
 //   segment j = padded elements [j S, (j + 1) S), S = G g, G = groups_per_segment, owned by rank j
 //
 //   1. launch_push_quantize     x (+ m1, m2 or a precomputed correction c) -> r' = rotate(x) + c, rs = r' 2^k;
-//                               the non-owned segments j != i as codes + fp16 (scale, zero) into out[j],
-//                               the owned one as fp32 rs into own_out.
-//   2. launch_owner_reduce      ordered fp32 sum over ranks 0..P-1 (own copy unquantized, P-1 decoded copies),
-//                               requantized once into every non-null out[d].
+//                               the non-owned segments j != i as codes + fp16 (scale, zero) into out[j].
+//   2. launch_owner_reduce      ordered fp32 sum over ranks 0..P-1 (own copy unquantized: rs of segment i,
+//                               formed again from the same inputs; P-1 decoded copies), requantized once
+//                               into every non-null out[d].
 //   3. launch_dequantize        codes of every segment -> s_hat 2^-k -> unrotate -> output dtype.
 //   4. launch_compensator_update_output / _local   u, then m1 and m2 in place (off the critical path).
 //   (launch_pow2_amax           max |r'| over this rank's padded tensor, for the power-of-two rescaling.)
@@ -76,6 +76,23 @@ struct CompensatorCoeffs {
 };
 static_assert(sizeof(CompensatorCoeffs) == 7 * sizeof(float), "CompensatorCoeffs must be 7 packed floats");
 
+// What a rank contributes, r' = rotate(x) + c (reference.echo_all_reduce): x and, when compensating, the
+// state (m1, m2) with its coefficients or a correction c precomputed by the update. The entry forms it for
+// the segments it sends, the owner reduce for the segment it owns: the owned segment's x and state are
+// read once either way, and no fp32 copy of it is written by the entry and read back by the reduce (8
+// bytes per owned element).
+struct Contribution {
+  const void* x;  // [numel] x_dtype (16-byte alignment enables the vector path)
+  DType x_dtype;
+  int32_t pad_;
+  // Compensation (at most one of the two forms; both null: none).
+  const float* m1;          // [padded] fp32 slow average, read only
+  const float* m2;          // [padded] fp32 fast average, read only
+  const float* correction;  // [padded] fp32 c precomputed by the update kernel
+  CompensatorCoeffs coeffs;
+  HadamardSpec hadamard;
+};
+
 // Shape of one call, identical to echo_ds.collective.Layout.
 struct Layout {
   int64_t numel;               // real elements n of x / y
@@ -99,22 +116,15 @@ inline int code_bytes_per_group(int group_size, int bits) { return group_size * 
 // ---------------------------------------------------------------------------------------------------
 struct PushQuantizeArgs {
   Layout layout;
-  const void* x;        // [numel] x_dtype (16-byte alignment enables the vector path)
-  DType x_dtype;
-  int32_t rank;         // i: segment i goes to own_out, the others to out[j]
+  Contribution src;
+  int32_t rank;         // i: segment i is not sent (the owner reduce forms it), the others go to out[j]
   int32_t bits;         // 4 or 8
   Policy policy;
+  int32_t pad_;
   int64_t group_begin;  // tile of groups inside each segment
   int64_t num_groups;
-  // Compensation (at most one of the two forms; both null: none).
-  const float* m1;          // [padded] fp32 slow average, read only
-  const float* m2;          // [padded] fp32 fast average, read only
-  const float* correction;  // [padded] fp32 c precomputed by the update kernel
-  CompensatorCoeffs coeffs;
-  HadamardSpec hadamard;
   const float* pow2_amax;  // device scalar: max |r'| over all ranks; null: no rescaling (k = 0)
   QuantTable out;          // out[j] for j != rank
-  float* own_out;          // [S] fp32 rs of the owned segment (indexed by group inside the segment)
   float* residual_out;     // null, or [padded] fp32: u = -(e 2^-k) of the sent segments (residual "local")
 };
 void launch_push_quantize(const PushQuantizeArgs& args, cudaStream_t stream);
@@ -124,13 +134,13 @@ void launch_push_quantize(const PushQuantizeArgs& args, cudaStream_t stream);
 // ---------------------------------------------------------------------------------------------------
 struct OwnerReduceArgs {
   Layout layout;
-  int32_t rank;  // the owner
+  Contribution src;  // this rank's, as given to launch_push_quantize: the own copy is rs of segment rank
+  int32_t rank;      // the owner
   int32_t bits;
   Policy policy;
   int32_t pad_;
   int64_t group_begin;
   int64_t num_groups;
-  const float* own;        // [S] fp32, what launch_push_quantize wrote to own_out
   QuantTable in;           // in[r] for r != rank: the copy rank r sent
   QuantTable out;          // every non-null out[d] receives the reduced codes
   const float* pow2_amax;  // as in PushQuantizeArgs
@@ -194,14 +204,7 @@ void launch_compensator_update_local(const CompensatorUpdateLocalArgs& args, cud
 // ---------------------------------------------------------------------------------------------------
 struct Pow2AmaxArgs {
   Layout layout;
-  const void* x;
-  DType x_dtype;
-  int32_t pad_;
-  const float* m1;
-  const float* m2;
-  const float* correction;
-  CompensatorCoeffs coeffs;
-  HadamardSpec hadamard;
+  Contribution src;
   float* amax_out;  // device scalar, overwritten
 };
 void launch_pow2_amax(const Pow2AmaxArgs& args, cudaStream_t stream);

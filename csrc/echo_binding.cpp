@@ -147,69 +147,81 @@ const float* opt_scalar(const OptTensor& t, const char* name) {
   return t->data_ptr<float>();
 }
 
+// r' = rotate(x) + c of this rank (echo::Contribution) for a call laid out as l.
+echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
+                                     const OptTensor& correction, const std::vector<double>& coeffs,
+                                     const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
+                                     const Layout& l) {
+  check_tensor(x, "x");
+  TORCH_CHECK(x.numel() == l.numel, "x has ", x.numel(), " elements, the call ", l.numel);
+  const int64_t padded = echo::padded_numel(l);
+  TORCH_CHECK(present(m1) == present(m2), "m1 and m2 come together");
+  TORCH_CHECK(!(present(m1) && present(correction)), "pass the state (m1, m2) or the correction, not both");
+  TORCH_CHECK(!present(m1) || !coeffs.empty(), "compensating from the state needs coeffs");
+  echo::Contribution s{};
+  s.x = x.data_ptr();
+  s.x_dtype = dtype_of(x, "x");
+  s.m1 = opt_f32_array(m1, "m1", padded);
+  s.m2 = opt_f32_array(m2, "m2", padded);
+  s.correction = opt_f32_array(correction, "correction", padded);
+  s.coeffs = make_coeffs(coeffs);
+  s.hadamard = make_hadamard(hadamard_signs, hadamard_norm, l.group_size);
+  return s;
+}
+
 void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& correction,
                    const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
-                   const std::vector<at::Tensor>& zeros, const at::Tensor& own_out, const OptTensor& residual_out,
-                   const OptTensor& pow2_amax, int64_t rank, int64_t world_size, int64_t group_size, int64_t bits,
-                   int64_t policy, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
+                   const std::vector<at::Tensor>& zeros, const OptTensor& residual_out, const OptTensor& pow2_amax,
+                   int64_t rank, int64_t world_size, int64_t group_size, int64_t bits, int64_t policy,
+                   const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                    const std::vector<double>& coeffs, int64_t group_begin, int64_t num_groups, int64_t stream) {
   check_tensor(x, "x");
   check_bits(bits);
   echo::PushQuantizeArgs a{};
   a.layout = make_layout(x.numel(), world_size, group_size);
-  const int64_t padded = echo::padded_numel(a.layout);
   const int64_t G = a.layout.groups_per_segment;
   TORCH_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " outside [0, ", world_size, ")");
   if (num_groups < 0) num_groups = G - group_begin;
   TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
               group_begin + num_groups, ") outside the segment's ", G);
-  TORCH_CHECK(present(m1) == present(m2), "m1 and m2 come together");
-  TORCH_CHECK(!(present(m1) && present(correction)), "pass the state (m1, m2) or the correction, not both");
-  TORCH_CHECK(!(present(m1) || present(correction)) || !coeffs.empty() || present(correction),
-              "compensating from the state needs coeffs");
-  a.x = x.data_ptr();
-  a.x_dtype = dtype_of(x, "x");
+  a.src = make_contribution(x, m1, m2, correction, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.policy = policy_of(policy);
   a.group_begin = group_begin;
   a.num_groups = num_groups;
-  a.m1 = opt_f32_array(m1, "m1", padded);
-  a.m2 = opt_f32_array(m2, "m2", padded);
-  a.correction = opt_f32_array(correction, "correction", padded);
-  a.coeffs = make_coeffs(coeffs);
-  a.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
   a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
   a.out = make_table(codes, scales, zeros, a.layout, bits, "push_quantize out");
   for (int j = 0; j < world_size; ++j) {
     TORCH_CHECK(j == rank || a.out.codes[j] != nullptr, "push_quantize: no destination for segment ", j);
   }
-  a.own_out = f32_array(own_out, "own_out", G * group_size);
-  a.residual_out = opt_f32_array(residual_out, "residual_out", padded);
+  a.residual_out = opt_f32_array(residual_out, "residual_out", echo::padded_numel(a.layout));
   echo::launch_push_quantize(a, as_stream(stream));
 }
 
-void owner_reduce(const at::Tensor& own, const std::vector<at::Tensor>& in_codes,
-                  const std::vector<at::Tensor>& in_scales, const std::vector<at::Tensor>& in_zeros,
-                  const std::vector<at::Tensor>& out_codes, const std::vector<at::Tensor>& out_scales,
-                  const std::vector<at::Tensor>& out_zeros, const OptTensor& residual_out, const OptTensor& pow2_amax,
-                  int64_t numel, int64_t rank, int64_t world_size, int64_t group_size, int64_t bits, int64_t policy,
-                  int64_t group_begin, int64_t num_groups, int64_t stream) {
-  check_tensor(own, "own");
+void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& correction,
+                  const std::vector<at::Tensor>& in_codes, const std::vector<at::Tensor>& in_scales,
+                  const std::vector<at::Tensor>& in_zeros, const std::vector<at::Tensor>& out_codes,
+                  const std::vector<at::Tensor>& out_scales, const std::vector<at::Tensor>& out_zeros,
+                  const OptTensor& residual_out, const OptTensor& pow2_amax, int64_t rank, int64_t world_size,
+                  int64_t group_size, int64_t bits, int64_t policy, const std::vector<int64_t>& hadamard_signs,
+                  double hadamard_norm, const std::vector<double>& coeffs, int64_t group_begin, int64_t num_groups,
+                  int64_t stream) {
+  check_tensor(x, "x");
   check_bits(bits);
   echo::OwnerReduceArgs a{};
-  a.layout = make_layout(numel, world_size, group_size);
+  a.layout = make_layout(x.numel(), world_size, group_size);
   const int64_t G = a.layout.groups_per_segment;
   TORCH_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " outside [0, ", world_size, ")");
   if (num_groups < 0) num_groups = G - group_begin;
   TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
               group_begin + num_groups, ") outside the segment's ", G);
+  a.src = make_contribution(x, m1, m2, correction, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.policy = policy_of(policy);
   a.group_begin = group_begin;
   a.num_groups = num_groups;
-  a.own = f32_array(own, "own", G * group_size);
   a.in = make_table(in_codes, in_scales, in_zeros, a.layout, bits, "owner_reduce in");
   for (int r = 0; r < world_size; ++r) {
     TORCH_CHECK(r == rank || a.in.codes[r] != nullptr, "owner_reduce: no copy from rank ", r);
@@ -298,17 +310,7 @@ void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor&
   check_tensor(x, "x");
   echo::Pow2AmaxArgs a{};
   a.layout = make_layout(x.numel(), world_size, group_size);
-  const int64_t padded = echo::padded_numel(a.layout);
-  TORCH_CHECK(present(m1) == present(m2), "m1 and m2 come together");
-  TORCH_CHECK(!(present(m1) && present(correction)), "pass the state (m1, m2) or the correction, not both");
-  TORCH_CHECK(!present(m1) || !coeffs.empty(), "compensating from the state needs coeffs");
-  a.x = x.data_ptr();
-  a.x_dtype = dtype_of(x, "x");
-  a.m1 = opt_f32_array(m1, "m1", padded);
-  a.m2 = opt_f32_array(m2, "m2", padded);
-  a.correction = opt_f32_array(correction, "correction", padded);
-  a.coeffs = make_coeffs(coeffs);
-  a.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
+  a.src = make_contribution(x, m1, m2, correction, coeffs, hadamard_signs, hadamard_norm, a.layout);
   check_tensor(amax_out, "amax_out");
   TORCH_CHECK(amax_out.scalar_type() == at::kFloat && amax_out.numel() >= 1, "amax_out must be float32 [1]");
   a.amax_out = amax_out.data_ptr<float>();
@@ -321,14 +323,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "Echo CUDA kernels (echo_ds.ops): entry, owner reduce, dequantize, compensator update, pow2 amax";
   m.def("push_quantize", &push_quantize, py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("correction"),
-        py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("own_out"), py::arg("residual_out"),
-        py::arg("pow2_amax"), py::arg("rank"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"),
-        py::arg("policy"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("coeffs"),
-        py::arg("group_begin"), py::arg("num_groups"), py::arg("stream"));
-  m.def("owner_reduce", &owner_reduce, py::arg("own"), py::arg("in_codes"), py::arg("in_scales"),
-        py::arg("in_zeros"), py::arg("out_codes"), py::arg("out_scales"), py::arg("out_zeros"),
-        py::arg("residual_out"), py::arg("pow2_amax"), py::arg("numel"), py::arg("rank"), py::arg("world_size"),
-        py::arg("group_size"), py::arg("bits"), py::arg("policy"), py::arg("group_begin"), py::arg("num_groups"), py::arg("stream"));
+        py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("residual_out"), py::arg("pow2_amax"),
+        py::arg("rank"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("policy"),
+        py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("group_begin"),
+        py::arg("num_groups"), py::arg("stream"));
+  m.def("owner_reduce", &owner_reduce, py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("correction"),
+        py::arg("in_codes"), py::arg("in_scales"), py::arg("in_zeros"), py::arg("out_codes"), py::arg("out_scales"),
+        py::arg("out_zeros"), py::arg("residual_out"), py::arg("pow2_amax"), py::arg("rank"), py::arg("world_size"),
+        py::arg("group_size"), py::arg("bits"), py::arg("policy"), py::arg("hadamard_signs"),
+        py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("group_begin"), py::arg("num_groups"),
+        py::arg("stream"));
   m.def("dequantize", &dequantize, py::arg("out"), py::arg("codes"), py::arg("scales"), py::arg("zeros"),
         py::arg("pow2_amax"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"),
         py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("segment_begin"), py::arg("num_segments"),

@@ -380,7 +380,32 @@ __device__ __forceinline__ __half group_scale(float raw) {
 // CPU divides, so the reference spells out the product to agree on both (a quotient that differs in the
 // last bit reached the fp16 scale in about 1e-4 of the groups, docs/kernels.md). The fp32 reciprocals
 // below are float(1.0 / double(b)), which is what quant.reciprocal rounds.
-template <int kBits>
+// The four quotients of the straddling case, (-mn / zf, mx / (L - zf), -mn / zc, mx / (L - zc)): with
+// ECHO_SPLIT_DIVISIONS (an experiment, off by default) the first four lanes of the group each compute one
+// and the group shares them by shuffles; otherwise every lane computes all four. Same operations either way.
+#ifndef ECHO_SPLIT_DIVISIONS
+#define ECHO_SPLIT_DIVISIONS 0
+#endif
+template <int kLanes>
+__device__ __forceinline__ void straddle_quotients(float mn, float mx, float zf, float zc, float levels,
+                                                   float (&q)[4]) {
+  if constexpr (ECHO_SPLIT_DIVISIONS != 0 && kLanes >= 4) {
+    const unsigned lane_in_warp = threadIdx.x % kWarpSize;
+    const unsigned which = lane_in_warp & 3u;
+    const float z = which < 2 ? zf : zc;
+    const float mine = (which & 1u) ? f_div(mx, f_sub(levels, z)) : f_div(-mn, z);
+    const int first = static_cast<int>(lane_in_warp & ~unsigned(kLanes - 1));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q[j] = __shfl_sync(group_mask<kLanes>(), mine, first + j);
+  } else {
+    q[0] = f_div(-mn, zf);
+    q[1] = f_div(mx, f_sub(levels, zf));
+    q[2] = f_div(-mn, zc);
+    q[3] = f_div(mx, f_sub(levels, zc));
+  }
+}
+
+template <int kBits, int kLanes>
 __device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool finite, Policy policy) {
   constexpr float kLevels = float((1 << kBits) - 1);
   constexpr float kInvLevels = float(1.0 / double((1 << kBits) - 1));
@@ -411,8 +436,10 @@ __device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool f
         // Straddling: the integer zero-point next to z0 in [1, L - 1] with the smaller widened scale.
         const float zf = fminf(fmaxf(floorf(z0), 1.0f), kLevels - 1.0f);
         const float zc = fminf(fmaxf(ceilf(z0), 1.0f), kLevels - 1.0f);
-        const float sf = fmaxf(f_div(-mn, zf), f_div(mx, f_sub(kLevels, zf)));
-        const float sc = fmaxf(f_div(-mn, zc), f_div(mx, f_sub(kLevels, zc)));
+        float q[4];
+        straddle_quotients<kLanes>(mn, mx, zf, zc, kLevels, q);
+        const float sf = fmaxf(q[0], q[1]);
+        const float sc = fmaxf(q[2], q[3]);
         const bool use_ceil = sc < sf;
         z = use_ceil ? zc : zf;
         raw = use_ceil ? sc : sf;
@@ -538,7 +565,7 @@ __device__ __forceinline__ GroupParams quantize_group(const float (&v)[kElemsPer
   float mn, mx;
   bool finite;
   group_stats<kLanes>(v, mn, mx, finite);
-  const GroupParams p = compute_params<kBits>(mn, mx, finite, policy);
+  const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy);
   codes = encode<kBits>(v, p, policy);
   return p;
 }
@@ -660,6 +687,8 @@ __device__ __forceinline__ void local_residual(const Codes<kBits>& codes, const 
   }
 }
 
+__host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
 // r' of one thread: rotate(x) + c, with c from the state (m1, m2) or precomputed (correction).
 // v holds x on entry; the state is loaded before the rotation so that its loads are in flight meanwhile.
 // e: the group's first element in the padded arrays.
@@ -684,7 +713,20 @@ __device__ __forceinline__ void compensated_input(float (&v)[kElemsPerThread], i
   }
 }
 
-__host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// rs of one thread for the group at element e of the padded tensor: (rotate(x) + c) 2^k, the values the
+// entry quantizes and the owner sums unquantized. numel: n of the call (zeros past it).
+template <typename T, int kLanes>
+__device__ __forceinline__ void contribution(const Contribution& s, int64_t e, int lane, int64_t numel, int k,
+                                             float (&v)[kElemsPerThread]) {
+  load_thread<T, kLanes>(static_cast<const T*>(s.x), e, lane, numel, aligned16(s.x), v);
+  compensated_input<kLanes>(v, lane, e, s.hadamard, s.m1, s.m2, s.correction, s.coeffs);
+  if (k != 0) {
+    const float up = exp2_int(k);
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], up);
+  }
+}
+
 
 // (group within the row, lane) of this thread under grid_of_rows.
 template <int kLanes>
@@ -692,6 +734,13 @@ __device__ __forceinline__ int64_t group_in_row(int& lane) {
   const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
   lane = static_cast<int>(tid % kLanes);
   return tid / kLanes;
+}
+
+// The host-side invariants of a Contribution (the binding checks them with clearer messages first).
+inline void check_contribution(const Contribution& s) {
+  ECHO_HOST_ASSERT(s.x != nullptr, "x is required");
+  ECHO_HOST_ASSERT(!(s.m1 != nullptr && s.correction != nullptr), "pass the state or the correction, not both");
+  ECHO_HOST_ASSERT((s.m1 == nullptr) == (s.m2 == nullptr), "m1 and m2 come together");
 }
 
 inline unsigned num_blocks(int64_t num_threads) {

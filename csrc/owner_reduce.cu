@@ -1,6 +1,7 @@
 // Stage 2, owner reduce: acc = sum over ranks r = 0 .. P-1 in that order of (own rs if r is the owner,
 // else decode(copy of r)), fp32, ((t0 + t1) + t2) + ... (collective.ordered_sum); acc is quantized once
-// and written to every destination of the table (its own gather buffer and/or its peers').
+// and written to every destination of the table (its own gather buffer and/or its peers'). The own rs is
+// formed here from x (and the state), exactly as the entry forms the segments it sends.
 #include "echo_common.cuh"
 
 namespace echo {
@@ -13,7 +14,7 @@ using namespace detail;
 // registers). Fewer resident threads are fine here: each has (P - 1) code loads in flight.
 constexpr int owner_min_blocks(int world_size) { return world_size <= 2 ? 4 : (world_size <= 4 ? 3 : 2); }
 
-template <int kWorld, int kBits, int kGroupSize>
+template <typename T, int kWorld, int kBits, int kGroupSize>
 __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel(const OwnerReduceArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
@@ -24,9 +25,10 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel
   const int64_t in_seg = gi * kGroupSize;  // the group's first element in the segment
   const int64_t code_offset = gi * kCodeBytes;
 
-  // Every load first, so that the P copies are in flight together.
+  const int k = pow2_exponent(a.pow2_amax);
   float own[kElemsPerThread];
-  load_thread_f32<kLanes>(a.own + in_seg, lane, own);
+  contribution<T, kLanes>(a.src, int64_t(a.rank) * a.layout.groups_per_segment * kGroupSize + in_seg, lane,
+                          a.layout.numel, k, own);
   Codes<kBits> copies[kWorld];
   uint16_t scale_bits[kWorld];
   uint16_t zero_bits[kWorld];
@@ -70,7 +72,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel
   if (a.residual_out != nullptr) {
     // residual "local", own share: e = s_hat_scaled - acc, u = -(e 2^-k).
     float u[kElemsPerThread];
-    local_residual<kBits>(codes, p, acc, pow2_exponent(a.pow2_amax), u);
+    local_residual<kBits>(codes, p, acc, k, u);
     store_thread_f32<kLanes>(a.residual_out + in_seg, lane, u);
   }
 }
@@ -86,13 +88,14 @@ void launch_owner_reduce(const OwnerReduceArgs& a, cudaStream_t stream) {
     ECHO_HOST_ASSERT(r == a.rank || (a.in.codes[r] && a.in.scales[r] && a.in.zeros[r]),
                      "owner reduce needs the copy of every other rank");
   }
+  check_contribution(a.src);
   if (a.num_groups == 0) return;
-  ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
     const dim3 grid = grid_of_rows<kLanes>(a.num_groups, 1);
-    owner_reduce_kernel<kWorld, kBits, kGroup><<<grid, kThreadsPerBlock, 0, stream>>>(a);
+    owner_reduce_kernel<T, kWorld, kBits, kGroup><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     ECHO_CHECK(cudaGetLastError());
-  })));
+  }))));
 }
 
 }  // namespace echo

@@ -27,8 +27,7 @@ __global__ void ECHO_KERNEL_BOUNDS(1) pow2_amax_kernel(const Pow2AmaxArgs a) {
        item += items_per_pass) {
     const int64_t e = item * kGroupSize;  // the group's first element
     float v[kElemsPerThread];
-    load_thread<T, kLanes>(static_cast<const T*>(a.x), e, lane, a.layout.numel, aligned16(a.x), v);
-    compensated_input<kLanes>(v, lane, e, a.hadamard, a.m1, a.m2, a.correction, a.coeffs);
+    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, /*k=*/0, v);
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) best = max(best, __float_as_uint(fabsf(v[i])));
   }
@@ -46,12 +45,12 @@ __global__ void ECHO_KERNEL_BOUNDS(1) pow2_amax_kernel(const Pow2AmaxArgs a) {
 
 void launch_pow2_amax(const Pow2AmaxArgs& a, cudaStream_t stream) {
   ECHO_HOST_ASSERT(a.amax_out != nullptr, "amax_out is required");
-  ECHO_HOST_ASSERT((a.m1 == nullptr) == (a.m2 == nullptr), "m1 and m2 come together");
+  check_contribution(a.src);
   ECHO_CHECK(cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream));
   int device = 0, num_sms = 0;
   ECHO_CHECK(cudaGetDevice(&device));
   ECHO_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  ECHO_DISPATCH_DTYPE(a.x_dtype, T, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
     const int64_t threads = padded_numel(a.layout) / kElemsPerThread;
     const int64_t wanted = (threads + kThreadsPerBlock - 1) / kThreadsPerBlock;

@@ -1,6 +1,6 @@
-// Stage 1, entry (push): x -> r' = rotate(x) + c -> rs = r' 2^k -> codes of the non-owned segments,
-// fp32 rs of the owned one. The correction, the rotation and the statistics live in registers only;
-// x' is never written (paper, section 5.3).
+// Stage 1, entry (push): x -> r' = rotate(x) + c -> rs = r' 2^k -> codes of the non-owned segments. The
+// correction, the rotation and the statistics live in registers only; x' is never written (paper, section
+// 5.3). The owned segment is not touched: the owner reduce forms its rs from the same inputs.
 #include "echo_common.cuh"
 
 namespace echo {
@@ -13,28 +13,17 @@ __global__ void ECHO_KERNEL_BOUNDS(4) push_quantize_kernel(const PushQuantizeArg
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
   int lane;
-  const int64_t item = group_in_row<kLanes>(lane);  // one group of segment blockIdx.y; its lanes share it
+  const int64_t item = group_in_row<kLanes>(lane);  // one group of a sent segment; its lanes share it
   if (item >= a.num_groups) return;                 // whole groups leave together
-  const int seg = static_cast<int>(blockIdx.y);
+  const int row = static_cast<int>(blockIdx.y);     // rows are the P - 1 sent segments
+  const int seg = row < a.rank ? row : row + 1;
   const int64_t gi = a.group_begin + item;
   const int64_t seg_numel = a.layout.groups_per_segment * kGroupSize;
-  const int64_t in_seg = gi * kGroupSize;                // the group's first element in its segment
-  const int64_t e = int64_t(seg) * seg_numel + in_seg;  // ... and in the padded tensor
+  const int64_t e = int64_t(seg) * seg_numel + gi * kGroupSize;  // the group's first element (padded tensor)
 
-  float v[kElemsPerThread];
-  load_thread<T, kLanes>(static_cast<const T*>(a.x), e, lane, a.layout.numel, aligned16(a.x), v);
-  compensated_input<kLanes>(v, lane, e, a.hadamard, a.m1, a.m2, a.correction, a.coeffs);
   const int k = pow2_exponent(a.pow2_amax);
-  if (k != 0) {
-    const float up = exp2_int(k);
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], up);
-  }
-
-  if (seg == a.rank) {  // the owned segment enters the owner's sum unquantized
-    store_thread_f32<kLanes>(a.own_out + in_seg, lane, v);
-    return;
-  }
+  float v[kElemsPerThread];
+  contribution<T, kLanes>(a.src, e, lane, a.layout.numel, k, v);
 
   Codes<kBits> codes;
   const GroupParams p = quantize_group<kBits, kLanes>(v, a.policy, codes);
@@ -60,13 +49,12 @@ void launch_push_quantize(const PushQuantizeArgs& a, cudaStream_t stream) {
   ECHO_HOST_ASSERT(a.group_begin >= 0 && a.num_groups >= 0 &&
                        a.group_begin + a.num_groups <= a.layout.groups_per_segment,
                    "group range outside the segment");
-  ECHO_HOST_ASSERT(!(a.m1 != nullptr && a.correction != nullptr), "pass the state or the correction, not both");
-  ECHO_HOST_ASSERT((a.m1 == nullptr) == (a.m2 == nullptr), "m1 and m2 come together");
+  check_contribution(a.src);
   if (a.num_groups == 0) return;
   ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, (void)kWorld);  // raises for unsupported P
-  ECHO_DISPATCH_DTYPE(a.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
-    const dim3 grid = grid_of_rows<kLanes>(a.num_groups, a.layout.world_size);
+    const dim3 grid = grid_of_rows<kLanes>(a.num_groups, a.layout.world_size - 1);
     push_quantize_kernel<T, kBits, kGroup><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     ECHO_CHECK(cudaGetLastError());
   })));

@@ -22,7 +22,6 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 from echo_ds import collective as C  # noqa: E402
-from echo_ds import quant as Q  # noqa: E402
 from echo_ds.quant import QuantSpec  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -143,42 +142,45 @@ def ref_pow2(amax):
     return C.pow2_exponent(amax) if amax is not None else 0
 
 
+def ref_contribution(x, layout, spec, comp_mode, pow2, gen):
+    """rs = (rotate(x) + c) 2^k [P, G, g] as the reference forms it, k, and the compensation keywords of
+    the kernels (comp_mode: "none", "state" (m1, m2) or "correction" (a precomputed c))."""
+    g = spec.group_size
+    comp = make_comp()
+    kw = {}
+    r = ref_rotated(x, layout, spec)
+    if comp_mode != "none":
+        m1 = random_groups(layout.padded_numel // g, g, gen).reshape(-1) * 1e-2
+        m2 = random_groups(layout.padded_numel // g, g, gen).reshape(-1) * 1e-2
+        comp.m1, comp.m2 = m1.view(r.shape).clone(), m2.view(r.shape).clone()
+        c = comp.correction(r.shape, r.device)
+        r = r + c
+        kw = dict(m1=m1, m2=m2, coeffs=comp) if comp_mode == "state" else dict(correction=c.reshape(-1).clone())
+    amax = None
+    if pow2:  # another rank holds a larger maximum
+        amax = (r.abs().amax() * 1.37).reshape(1)
+    k = ref_pow2(amax)
+    return (r * 2.0**k if k else r), k, dict(kw, pow2_amax=amax)
+
+
 def entry_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, gen):
     g = spec.group_size
     layout = C.Layout(numel, P, g)
     x = random_input(numel, g, dtype, gen)
     padded, S = layout.padded_numel, layout.segment_numel
-    comp = make_comp()
-    m1 = m2 = corr = None
-    r = ref_rotated(x, layout, spec)
-    if comp_mode != "none":
-        m1 = random_groups(padded // g, g, gen).reshape(-1) * 1e-2
-        m2 = random_groups(padded // g, g, gen).reshape(-1) * 1e-2
-        comp.m1, comp.m2 = m1.view(r.shape).clone(), m2.view(r.shape).clone()
-        c = comp.correction(r.shape, r.device)
-        r = r + c
-        if comp_mode == "correction":
-            corr = c.reshape(-1).clone()
-            m1 = m2 = None
-    amax = None
-    if pow2:  # another rank holds a larger maximum
-        amax = (r.abs().amax() * 1.37).reshape(1)
-    k = ref_pow2(amax)
-    rs = r * 2.0**k if k else r
+    rs, k, kw = ref_contribution(x, layout, spec, comp_mode, pow2, gen)
     others = [j for j in range(P) if j != rank]
     codes, scale, zero = C.quantize_segments(rs[others], spec)
 
     packets = poison_packets(P, layout, spec, ops)
     rows = [None if j == rank else packets[j] for j in range(P)]
-    own_out = poison_f32(S)
     residual = poison_f32(padded) if local else None
     ops.push_quantize(x, rank=rank, world_size=P, spec=spec, out=ops.packet_table(rows, layout, spec),
-                      own_out=own_out, m1=m1, m2=m2, correction=corr, coeffs=comp if comp_mode != "none" else None,
-                      residual_out=residual, pow2_amax=amax)
+                      residual_out=residual, **kw)
     torch.cuda.synchronize()
     for n, j in enumerate(others):
         assert_packet(ops, packets[j], layout, spec, codes[n], scale[n], zero[n], f"segment {j}")
-    assert_same(own_out, rs[rank].reshape(-1), "own segment rs")
+    assert bool((packets[rank] == 0xFF).all()), "the owned segment is the owner reduce's, not the entry's"
     if local:
         err = C.dequantize_segments(codes, scale, zero, spec) - rs[others]
         u = -(err * 2.0**-k) if k else -err
@@ -212,8 +214,9 @@ def test_push_quantize_sizes(ops, numel):
                    local=n == 0, pow2=n == 2, gen=gen)
 
 
-def test_push_quantize_unaligned_view(ops):
-    """x as a view at an odd offset takes the scalar load path and gives the same bits."""
+def test_unaligned_view(ops):
+    """x as a view at an odd offset takes the scalar load path in the entry and the owner reduce and gives
+    the same bits."""
     gen = torch.Generator(device=dev()).manual_seed(5)
     spec = QuantSpec(bits=4, group_size=128)
     base = random_input(10_001, 128, torch.float16, gen)
@@ -222,12 +225,16 @@ def test_push_quantize_unaligned_view(ops):
     rs = ref_rotated(x, layout, spec)
     codes, scale, zero = C.quantize_segments(rs[1:], spec)
     packets = poison_packets(4, layout, spec, ops)
-    own = poison_f32(layout.segment_numel)
-    ops.push_quantize(x, rank=0, world_size=4, spec=spec, out=ops.packet_table([None, *packets[1:]], layout, spec),
-                      own_out=own)
+    ops.push_quantize(x, rank=0, world_size=4, spec=spec, out=ops.packet_table([None, *packets[1:]], layout, spec))
     for n in range(3):
         assert_packet(ops, packets[n + 1], layout, spec, codes[n], scale[n], zero[n], f"segment {n + 1}")
-    assert_same(own, rs[0].reshape(-1), "own")
+    copies = [C.quantize_segments(random_groups(layout.groups_per_segment, 128, gen), spec) for _ in range(4)]
+    acc = C.ordered_sum(torch.stack([rs[0]] + [C.dequantize_segments(*c, spec) for c in copies[1:]]))
+    inbuf = packets_holding(ops, layout, spec, copies)
+    out = poison_packets(1, layout, spec, ops)
+    ops.owner_reduce(x, rank=0, world_size=4, spec=spec, copies=ops.packet_table([None, *inbuf[1:]], layout, spec),
+                     out=ops.packet_table([out[0], None, None, None], layout, spec))
+    assert_packet(ops, out[0], layout, spec, *C.quantize_segments(acc[None], spec), "reduced segment")
 
 
 def test_push_quantize_tiles(ops):
@@ -239,16 +246,14 @@ def test_push_quantize_tiles(ops):
     layout = C.Layout(x.numel(), P, 64)
     G = layout.groups_per_segment
     whole, tiled = poison_packets(P, layout, spec, ops), poison_packets(P, layout, spec, ops)
-    own_w, own_t = poison_f32(layout.segment_numel), poison_f32(layout.segment_numel)
     ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
-                      out=ops.packet_table([None if j == rank else whole[j] for j in range(P)], layout, spec), own_out=own_w)
+                      out=ops.packet_table([None if j == rank else whole[j] for j in range(P)], layout, spec))
     for b in range(0, G, 37):
         ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
                           out=ops.packet_table([None if j == rank else tiled[j] for j in range(P)], layout, spec),
-                          own_out=own_t, group_begin=b, num_groups=min(37, G - b))
+                          group_begin=b, num_groups=min(37, G - b))
     pb = ops.packet_bytes(layout, spec)
     assert_same(tiled[:, :pb], whole[:, :pb], "tiled packets")
-    assert_same(own_t, own_w, "tiled own segment")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -294,19 +299,19 @@ REDUCE_CASES = list(itertools.product(WORLD_SIZES, BITS, POLICIES, GROUP_SIZES))
 def test_owner_reduce(ops, P, bits, policy, g):
     i = REDUCE_CASES.index((P, bits, policy, g))
     gen = torch.Generator(device=dev()).manual_seed(2000 + i)
-    spec = QuantSpec(bits=bits, group_size=g, policy=policy)
+    spec = QuantSpec(bits=bits, group_size=g, policy=policy, rotation=i % 4 >= 2)
     numel = P * g * (2 + i % 7) - (i * 53) % (P * g)
+    dtype = DTYPES[i % 3]
     layout = C.Layout(numel, P, g)
     G, S = layout.groups_per_segment, layout.segment_numel
     rank = i % P
     local = i % 2 == 1
-    amax = torch.tensor([float(2.0 ** (i % 9))], device=dev()) if i % 3 == 0 else None
-    k = ref_pow2(amax)
-    own = random_groups(G, g, gen)
-    if i % 5 == 0:  # a non-finite copy group must give a NaN group
-        own[G // 2, 3] = float("inf")
+    x = random_input(numel, g, dtype, gen)
+    if i % 5 == 0 and rank * S + 3 * g < numel:  # a non-finite own group must give a NaN group
+        x[rank * S + 2 * g + 3] = float("inf")
+    rs, k, kw = ref_contribution(x, layout, spec, ("none", "state", "correction")[i % 3], i % 3 == 0, gen)
     sent = [C.quantize_segments(random_groups(G, g, gen), spec) for _ in range(P)]
-    terms = torch.stack([own if r == rank else C.dequantize_segments(*sent[r], spec) for r in range(P)])
+    terms = torch.stack([rs[rank] if r == rank else C.dequantize_segments(*sent[r], spec) for r in range(P)])
     acc = C.ordered_sum(terms)
     codes, scale, zero = C.quantize_segments(acc[None], spec)
 
@@ -314,9 +319,12 @@ def test_owner_reduce(ops, P, bits, policy, g):
     outbuf = poison_packets(P, layout, spec, ops)
     dests = [outbuf[d] if d % 2 == 0 or d == rank else None for d in range(P)]
     residual = poison_f32(S) if local else None
-    ops.owner_reduce(own.reshape(-1), numel=numel, rank=rank, world_size=P, spec=spec,
-                     copies=ops.packet_table([None if r == rank else inbuf[r] for r in range(P)], layout, spec),
-                     out=ops.packet_table(dests, layout, spec), residual_out=residual, pow2_amax=amax)
+    tiles = [(0, G)] if i % 4 != 1 else [(b, min(b + 2, G)) for b in range(0, G, 2)]
+    for b, e in tiles:
+        ops.owner_reduce(x, rank=rank, world_size=P, spec=spec,
+                         copies=ops.packet_table([None if r == rank else inbuf[r] for r in range(P)], layout, spec),
+                         out=ops.packet_table(dests, layout, spec), residual_out=residual, group_begin=b,
+                         num_groups=e - b, **kw)
     torch.cuda.synchronize()
     for d, row in enumerate(dests):
         if row is not None:
@@ -475,19 +483,19 @@ def kernel_all_reduce(ops, parts, spec, state, coeffs, residual, pow2, use_corre
             ops.pow2_amax(parts[i], amaxes[i], world_size=P, spec=spec, **comp_kw[i])
         amax = amaxes.amax().reshape(1)  # the max all-reduce
     send = [poison_packets(P, layout, spec, ops) for _ in range(P)]  # send[i][j]: rank i's copy of segment j
-    own = [poison_f32(S) for _ in range(P)]
     local = state is not None and residual == "local"
     resid = [poison_f32(padded) for _ in range(P)] if local else [None] * P
     for i in range(P):
         ops.push_quantize(parts[i], rank=i, world_size=P, spec=spec,
                           out=ops.packet_table([None if j == i else send[i][j] for j in range(P)], layout, spec),
-                          own_out=own[i], residual_out=resid[i], pow2_amax=amax, **comp_kw[i])
+                          residual_out=resid[i], pow2_amax=amax, **comp_kw[i])
     gathered = poison_packets(P, layout, spec, ops)
     for j in range(P):
-        ops.owner_reduce(own[j], numel=layout.numel, rank=j, world_size=P, spec=spec,
+        ops.owner_reduce(parts[j], rank=j, world_size=P, spec=spec,
                          copies=ops.packet_table([None if r == j else send[r][j] for r in range(P)], layout, spec),
                          out=ops.packet_table([gathered[j] if d == j else None for d in range(P)], layout, spec),
-                         residual_out=resid[j][j * S:(j + 1) * S] if local else None, pow2_amax=amax)
+                         residual_out=resid[j][j * S:(j + 1) * S] if local else None, pow2_amax=amax,
+                         **comp_kw[j])
     table = ops.packet_table(list(gathered), layout, spec)
     ys = []
     for i in range(P):
@@ -564,17 +572,14 @@ def test_one_gigabyte(ops):
     numel = (1 << 29) - 5  # 1 GB of fp16, a length that needs padding
     x = (torch.randn(numel, generator=gen, device=dev()) * 3.0).to(torch.float16)
     layout = C.Layout(numel, P, g)
-    S = layout.segment_numel
     rank = 1
     packets = poison_packets(P, layout, spec, ops)
-    own = poison_f32(S)
     ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
-                      out=ops.packet_table([None if j == rank else packets[j] for j in range(P)], layout, spec), own_out=own)
+                      out=ops.packet_table([None if j == rank else packets[j] for j in range(P)], layout, spec))
     torch.cuda.synchronize()
     segs = C.to_segments(x.reshape(1, -1), layout)[0]
     for j in range(P):
         if j == rank:
-            assert_same(own, segs[j].reshape(-1), "own segment")
             continue
         codes, scale, zero = C.quantize_segments(segs[j], spec)
         assert_packet(ops, packets[j], layout, spec, codes, scale, zero, f"segment {j}")
@@ -583,7 +588,7 @@ def test_one_gigabyte(ops):
     # segments (any valid codes will do), then dequantize everything.
     copies = [packets[j] if j != rank else None for j in range(P)]
     gathered = poison_packets(P, layout, spec, ops)
-    ops.owner_reduce(own, numel=numel, rank=rank, world_size=P, spec=spec, copies=ops.packet_table(copies, layout, spec),
+    ops.owner_reduce(x, rank=rank, world_size=P, spec=spec, copies=ops.packet_table(copies, layout, spec),
                      out=ops.packet_table([gathered[rank] if d == rank else None for d in range(P)], layout, spec))
     terms = torch.stack([segs[rank] if r == rank else C.dequantize_segments(*ops.packet_views(packets[r], layout, spec), spec)
                          for r in range(P)])
@@ -609,8 +614,7 @@ def test_unsupported_world_size_raises(ops):
     layout = C.Layout(x.numel(), 5, 128)
     packets = ops.alloc_packets(5, layout, spec, dev())
     with pytest.raises(RuntimeError, match="unsupported world size 5"):
-        ops.push_quantize(x, rank=0, world_size=5, spec=spec, out=ops.packet_table([None, *packets[1:]], layout, spec),
-                          own_out=torch.empty(layout.segment_numel, device=dev()))
+        ops.push_quantize(x, rank=0, world_size=5, spec=spec, out=ops.packet_table([None, *packets[1:]], layout, spec))
 
 
 def test_cuda_path_available(ops):

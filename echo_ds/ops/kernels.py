@@ -185,15 +185,15 @@ def _coeffs(coeffs) -> list:
 # ----------------------------------------------------------------------------------------------------
 
 def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, out: SegmentTable,
-                  own_out: torch.Tensor, m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
+                  m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
                   correction: Optional[torch.Tensor] = None, coeffs=None,
                   residual_out: Optional[torch.Tensor] = None, pow2_amax: Optional[torch.Tensor] = None,
                   group_begin: int = 0, num_groups: Optional[int] = None) -> None:
-    """Stage 1 (entry / push) for groups [group_begin, group_begin + num_groups) of every segment.
+    """Stage 1 (entry / push) for groups [group_begin, group_begin + num_groups) of every sent segment.
 
     x: this rank's contribution, any shape, contiguous, float32 / float16 / bfloat16 (n elements).
-    out: segment table; entry j != rank receives segment j's codes and fp16 (scale, zero).
-    own_out: float32 [>= S], receives rs = (rotate(x) + c) 2^k of the owned segment (by group index).
+    out: segment table; entry j != rank receives segment j's codes and fp16 (scale, zero). The owned
+        segment is not touched: owner_reduce forms it from the same x (and state).
     m1, m2: float32 [>= padded] compensator state (read only here), or correction: float32 [>= padded],
         a c precomputed by the update (``correction_out``); coeffs: a Compensator or its coefficients.
     residual_out: float32 [>= padded]; residual "local": receives u = -(e 2^-k) of the sent segments.
@@ -202,30 +202,32 @@ def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpe
     ops = _ops()
     hs, hn = _hadamard_args(spec)
     with torch.cuda.device(x.device):
-        ops.push_quantize(x, m1, m2, correction, *_table_args(out, world_size, x.device), own_out, residual_out,
-                          pow2_amax, rank, world_size, spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn,
-                          _coeffs(coeffs), group_begin, -1 if num_groups is None else num_groups,
-                          _stream(x.device))
+        ops.push_quantize(x, m1, m2, correction, *_table_args(out, world_size, x.device), residual_out, pow2_amax,
+                          rank, world_size, spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn,
+                          _coeffs(coeffs), group_begin, -1 if num_groups is None else num_groups, _stream(x.device))
 
 
-def owner_reduce(own: torch.Tensor, *, numel: int, rank: int, world_size: int, spec: QuantSpec,
-                 copies: SegmentTable, out: SegmentTable, residual_out: Optional[torch.Tensor] = None,
-                 pow2_amax: Optional[torch.Tensor] = None, group_begin: int = 0,
-                 num_groups: Optional[int] = None) -> None:
+def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, copies: SegmentTable,
+                 out: SegmentTable, m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
+                 correction: Optional[torch.Tensor] = None, coeffs=None,
+                 residual_out: Optional[torch.Tensor] = None, pow2_amax: Optional[torch.Tensor] = None,
+                 group_begin: int = 0, num_groups: Optional[int] = None) -> None:
     """Stage 2 (owner reduce) for groups [group_begin, group_begin + num_groups) of the owned segment.
 
-    own: float32 [>= S], what push_quantize wrote to own_out. numel: n of the call (fixes the layout).
+    x, m1, m2, correction, coeffs, pow2_amax: exactly what this rank's push_quantize got; the own copy,
+        rs = (rotate(x) + c) 2^k of segment ``rank``, is formed here from them.
     copies: segment table; entry r != rank holds the copy rank r sent (entry rank is ignored).
     out: segment table; every non-None entry d receives the reduced segment's codes and parameters.
     residual_out: float32 [>= S]; residual "local": receives u = -(e 2^-k) of the requantization
         (the owned segment's slice of the full residual, i.e. residual[rank * S:]).
     """
     ops = _ops()
-    with torch.cuda.device(own.device):
-        ops.owner_reduce(own, *_table_args(copies, world_size, own.device), *_table_args(out, world_size, own.device),
-                         residual_out, pow2_amax, numel, rank, world_size, spec.group_size, spec.bits,
-                         POLICY_CODES[spec.policy], group_begin, -1 if num_groups is None else num_groups,
-                         _stream(own.device))
+    hs, hn = _hadamard_args(spec)
+    with torch.cuda.device(x.device):
+        ops.owner_reduce(x, m1, m2, correction, *_table_args(copies, world_size, x.device),
+                         *_table_args(out, world_size, x.device), residual_out, pow2_amax, rank, world_size,
+                         spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn, _coeffs(coeffs), group_begin,
+                         -1 if num_groups is None else num_groups, _stream(x.device))
 
 
 def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered: SegmentTable,

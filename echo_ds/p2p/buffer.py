@@ -472,7 +472,7 @@ class EchoBuffer:
                 sched.push(tile)
                 self._record(pushed, "push")
             with self._on("reduce"):
-                self._wait("reduce", pushed)  # this rank's own segment of the tile (fp32) is ready
+                self._wait("reduce", pushed)  # the torch stages reduce the rs their push formed
                 sched.reduce(tile)
                 self._record(reduced, "reduce")
             with self._on("gather"):

@@ -172,9 +172,7 @@ class KernelSchedule(Schedule):
     def __init__(self, *args, ops, **kw):
         super().__init__(*args, **kw)
         self.ops = ops
-        P, G, g, me = self.world_size, self.G, self.spec.group_size, self.rank
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.own = torch.empty((G * g,), **f32)  # rs of the owned segment
+        P, G, me = self.world_size, self.G, self.rank
         self.residual = None  # u of residual "local" [padded], allocated at the first such call
         local = (torch.empty((G, self.cb), dtype=torch.uint8, device=self.device),
                  torch.empty((G,), dtype=torch.float16, device=self.device),
@@ -212,7 +210,7 @@ class KernelSchedule(Schedule):
     def push(self, tile: int) -> None:
         g0, g1 = self.tiling.tile(tile)
         self.ops.push_quantize(self.x, rank=self.rank, world_size=self.world_size, spec=self.spec,
-                               out=self.push_out, own_out=self.own,
+                               out=self.push_out,
                                residual_out=self.residual if self.local_residual else None,
                                pow2_amax=self.amax_all if self.pow2 else None, group_begin=g0,
                                num_groups=g1 - g0, **self._state())
@@ -222,10 +220,11 @@ class KernelSchedule(Schedule):
         g0, g1 = self.tiling.tile(tile)
         self.wait_push(tile)
         S = self.G * self.spec.group_size
-        self.ops.owner_reduce(self.own, numel=self.x.numel(), rank=self.rank, world_size=self.world_size,
-                              spec=self.spec, copies=self.reduce_in, out=self.reduce_out,
+        self.ops.owner_reduce(self.x, rank=self.rank, world_size=self.world_size, spec=self.spec,
+                              copies=self.reduce_in, out=self.reduce_out,
                               residual_out=self.residual[self.rank * S:] if self.local_residual else None,
-                              pow2_amax=self.amax_all if self.pow2 else None, group_begin=g0, num_groups=g1 - g0)
+                              pow2_amax=self.amax_all if self.pow2 else None, group_begin=g0, num_groups=g1 - g0,
+                              **self._state())
         self.transport.signal(self.gather_signals[tile], self.stream.get("reduce"))
 
     def gather(self, tile: int) -> None:
