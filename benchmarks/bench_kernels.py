@@ -24,6 +24,7 @@ Rows:
   entry+comp+rot+local ... all of it, residual "local" (writes u of the sent segments)
   pow2_amax            max |x| (backward rescaling)
   owner_reduce         P - 1 copies + the own segment formed from x -> reduced codes
+  owner_reduce+corr    ... the own segment formed from x and a precomputed correction c
   dequantize           all P segments -> y (fp16)
   dequantize+rot       ... with the inverse rotation
   update_output        compensator update, residual "output" (reads x, state, codes; writes the state)
@@ -52,8 +53,8 @@ P = 4
 G_SIZE = 128
 # Every row the benchmark can time, in table order (the docstring says what each is).
 ROWS = ("copy", "ds_quantize", "ds_dequantize", "entry", "entry+comp", "entry+corr", "entry+rot", "entry+sym",
-        "entry+comp+rot+local", "pow2_amax", "owner_reduce", "dequantize", "dequantize+rot", "update_output",
-        "update_local", "torch_compensator")
+        "entry+comp+rot+local", "pow2_amax", "owner_reduce", "owner_reduce+corr", "dequantize", "dequantize+rot",
+        "update_output", "update_local", "torch_compensator")
 
 
 def parse_bytes(s: str) -> int:
@@ -250,9 +251,12 @@ def main():
             base + 12 * sent)
         add("pow2_amax", lambda: E.pow2_amax(x, amax, world_size=P, spec=spec), 2 * n)
         copies = E.packet_table([None, *send[1:]], layout, spec)
-        add("owner_reduce", lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec, copies=copies,
-                                                   out=E.packet_table([gathered[0], None, None, None], layout, spec)),
+        owner_out = E.packet_table([gathered[0], None, None, None], layout, spec)
+        add("owner_reduce", lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec, copies=copies, out=owner_out),
             2 * S + (P - 1) * cb + cb)
+        add("owner_reduce+corr", lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec, copies=copies,
+                                                        out=owner_out, correction=corr),
+            2 * S + 4 * S + (P - 1) * cb + cb)
         for j in range(1, P):
             gathered[j].copy_(send[j])
         E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab)

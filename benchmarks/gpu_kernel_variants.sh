@@ -6,7 +6,9 @@
 #       bash benchmarks/gpu_kernel_variants.sh
 #
 # Runs benchmarks/gpu_kernels.sh first (the shipped build: tests + full table), building the variants in
-# the background meanwhile. Writes $OUT/variants.log besides gpu_kernels.sh's files.
+# the background meanwhile. Writes $OUT/variants.log besides gpu_kernels.sh's files. VARIANT_TESTS=1 also
+# runs tests/test_kernels_gpu.py against each variant's build (a variant that is not bit-exact is no
+# candidate).
 set -u
 OUT=${OUT:-/tmp/echo_out}
 mkdir -p "$OUT"
@@ -28,6 +30,10 @@ wait $vb
 for v in ${VARIANTS:-}; do
   name=${v%%:*}; flags=${v#*:}; flags=${flags//,/ }
   echo "=== variant $name ($flags): $(tail -1 /tmp/build_$name.log)" | tee -a "$OUT/variants.log"
+  if [ "${VARIANT_TESTS:-0}" = 1 ]; then
+    TORCH_EXTENSIONS_DIR=/tmp/ext_$name ECHO_DS_NVCC_EXTRA="$flags" timeout 200 python3 -m pytest \
+      tests/test_kernels_gpu.py -q -rfE -p no:cacheprovider 2>&1 | tail -3 | tee -a "$OUT/variants.log"
+  fi
   TORCH_EXTENSIONS_DIR=/tmp/ext_$name ECHO_DS_NVCC_EXTRA="$flags" timeout 200 python3 benchmarks/bench_kernels.py \
     --only "$ROWS" --min-bytes "${VARIANT_MIN:-256M}" --max-bytes 1G --factor 4 2>&1 | grep -E "MB |copy bandwidth" \
     | tee -a "$OUT/variants.log"

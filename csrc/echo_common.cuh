@@ -228,26 +228,60 @@ __device__ __forceinline__ void pack_chunk(const float* v, uint32_t* w) {
   }
 }
 
-// v = this lane's 16 elements of the group starting at p[group_base], as fp32; zeros past numel (the
-// layout's padding). vec_ok: p is 16-byte aligned. Every chunk's load is issued before any is converted.
+// This lane's 16 elements of T as loaded, before conversion: kChunks chunks of words. Splitting the load
+// from the conversion lets a kernel issue the loads of a later group before it works on an earlier one.
+template <typename T>
+struct RawChunks {
+  static constexpr int kWords = kChunkElems * int(sizeof(T)) / 4;
+  uint32_t w[kChunks][kWords];
+};
+
+// The words of this lane's elements of the group starting at p[group_base]; zeros past numel (the layout's
+// padding). vec_ok: p is 16-byte aligned. Every chunk's load is issued before any word is used.
 template <typename T, int kLanes>
-__device__ __forceinline__ void load_thread(const T* __restrict__ p, int64_t group_base, int lane, int64_t numel,
-                                            bool vec_ok, float (&v)[kElemsPerThread]) {
+__device__ __forceinline__ void load_raw(const T* __restrict__ p, int64_t group_base, int lane, int64_t numel,
+                                         bool vec_ok, RawChunks<T>& r) {
   constexpr int kBytes = kChunkElems * int(sizeof(T));
   if (vec_ok && group_base + chunk_offset<kLanes>(lane, kChunks - 1) + kChunkElems <= numel) {
-    uint32_t w[kChunks][kBytes / 4];
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) load_bytes<kBytes>(p + group_base + chunk_offset<kLanes>(lane, c), w[c]);
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) unpack_chunk<T>(w[c], v + c * kChunkElems);
+    for (int c = 0; c < kChunks; ++c) load_bytes<kBytes>(p + group_base + chunk_offset<kLanes>(lane, c), r.w[c]);
   } else {
+    constexpr int kBits = 8 * int(sizeof(T));
+    constexpr int kPerWord = 32 / kBits;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int64_t e = group_base + chunk_offset<kLanes>(lane, c);
 #pragma unroll
-      for (int j = 0; j < kChunkElems; ++j) v[c * kChunkElems + j] = (e + j < numel) ? to_f32(p[e + j]) : 0.0f;
+      for (int k = 0; k < RawChunks<T>::kWords; ++k) r.w[c][k] = 0u;
+#pragma unroll
+      for (int j = 0; j < kChunkElems; ++j) {
+        if (e + j < numel) {
+          uint32_t bits;
+          if constexpr (sizeof(T) == 4) {
+            bits = __float_as_uint(p[e + j]);
+          } else {
+            bits = *reinterpret_cast<const uint16_t*>(p + e + j);
+          }
+          r.w[c][j / kPerWord] |= bits << (kBits * (j % kPerWord));
+        }
+      }
     }
   }
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack_raw(const RawChunks<T>& r, float (&v)[kElemsPerThread]) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) unpack_chunk<T>(r.w[c], v + c * kChunkElems);
+}
+
+// v = this lane's 16 elements of the group starting at p[group_base], as fp32; zeros past numel.
+template <typename T, int kLanes>
+__device__ __forceinline__ void load_thread(const T* __restrict__ p, int64_t group_base, int lane, int64_t numel,
+                                            bool vec_ok, float (&v)[kElemsPerThread]) {
+  RawChunks<T> r;
+  load_raw<T, kLanes>(p, group_base, lane, numel, vec_ok, r);
+  unpack_raw<T>(r, v);
 }
 
 // p[group_base + this lane's elements, below numel] = v in T (round to nearest even).
@@ -714,26 +748,44 @@ __device__ __forceinline__ void compensated_input(float (&v)[kElemsPerThread], i
 }
 
 // rs of one thread for the group at element e of the padded tensor: (rotate(x) + c) 2^k, the values the
-// entry quantizes and the owner sums unquantized. numel: n of the call (zeros past it).
+// entry quantizes and the owner sums unquantized (contribution). numel: n of the call (zeros past it).
+// In two steps: load_contribution_x issues the loads of x, contribution_from_raw does the rest.
 template <typename T, int kLanes>
-__device__ __forceinline__ void contribution(const Contribution& s, int64_t e, int lane, int64_t numel, int k,
-                                             float (&v)[kElemsPerThread]) {
-  load_thread<T, kLanes>(static_cast<const T*>(s.x), e, lane, numel, aligned16(s.x), v);
-  compensated_input<kLanes>(v, lane, e, s.hadamard, s.m1, s.m2, s.correction, s.coeffs);
+__device__ __forceinline__ void load_contribution_x(const Contribution& s, int64_t e, int lane, int64_t numel,
+                                                    RawChunks<T>& r) {
+  load_raw<T, kLanes>(static_cast<const T*>(s.x), e, lane, numel, aligned16(s.x), r);
+}
+// kPlain: the caller knows there is neither compensation nor rotation (no code for them is generated).
+template <typename T, int kLanes, bool kPlain = false>
+__device__ __forceinline__ void contribution_from_raw(const Contribution& s, const RawChunks<T>& r, int64_t e,
+                                                      int lane, int k, float (&v)[kElemsPerThread]) {
+  unpack_raw<T>(r, v);
+  if constexpr (!kPlain) compensated_input<kLanes>(v, lane, e, s.hadamard, s.m1, s.m2, s.correction, s.coeffs);
   if (k != 0) {
     const float up = exp2_int(k);
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], up);
   }
 }
+template <typename T, int kLanes, bool kPlain = false>
+__device__ __forceinline__ void contribution(const Contribution& s, int64_t e, int lane, int64_t numel, int k,
+                                             float (&v)[kElemsPerThread]) {
+  RawChunks<T> r;
+  load_contribution_x<T, kLanes>(s, e, lane, numel, r);
+  contribution_from_raw<T, kLanes, kPlain>(s, r, e, lane, k, v);
+}
 
-
-// (group within the row, lane) of this thread under grid_of_rows.
+// Groups per block and item under grid_of_rows.
 template <int kLanes>
+constexpr int kGroupsPerBlockItem = kThreadsPerBlock / kLanes;
+
+// (group within the row, lane) of this thread's first item under grid_of_rows<kLanes, kItems>: a block
+// covers kItems consecutive runs of kGroupsPerBlockItem groups, item i of a thread is its first group plus
+// i kGroupsPerBlockItem.
+template <int kLanes, int kItems = 1>
 __device__ __forceinline__ int64_t group_in_row(int& lane) {
-  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
-  lane = static_cast<int>(tid % kLanes);
-  return tid / kLanes;
+  lane = static_cast<int>(threadIdx.x % kLanes);
+  return int64_t(blockIdx.x) * (kItems * kGroupsPerBlockItem<kLanes>) + threadIdx.x / kLanes;
 }
 
 // The host-side invariants of a Contribution (the binding checks them with clearer messages first).
@@ -741,6 +793,11 @@ inline void check_contribution(const Contribution& s) {
   ECHO_HOST_ASSERT(s.x != nullptr, "x is required");
   ECHO_HOST_ASSERT(!(s.m1 != nullptr && s.correction != nullptr), "pass the state or the correction, not both");
   ECHO_HOST_ASSERT((s.m1 == nullptr) == (s.m2 == nullptr), "m1 and m2 come together");
+}
+
+// Neither compensation nor rotation: rs = x 2^k.
+inline bool is_plain(const Contribution& s) {
+  return s.m1 == nullptr && s.correction == nullptr && s.hadamard.enabled == 0;
 }
 
 inline unsigned num_blocks(int64_t num_threads) {
@@ -751,10 +808,13 @@ inline unsigned num_blocks(int64_t num_threads) {
 
 // Grid of `rows` rows (blockIdx.y: a segment) of `groups` groups each (blockIdx.x), kLanes lanes per group:
 // the segment comes from the block row, so no thread divides by the group count.
-template <int kLanes>
+// kItems groups per thread (group_in_row).
+template <int kLanes, int kItems = 1>
 inline dim3 grid_of_rows(int64_t groups, int rows) {
   ECHO_HOST_ASSERT(rows >= 1 && rows <= 65535, "launch too large");
-  return dim3(num_blocks(groups * kLanes), static_cast<unsigned>(rows), 1u);
+  constexpr int64_t kPerBlock = int64_t(kItems) * kGroupsPerBlockItem<kLanes>;
+  const int64_t blocks = (groups + kPerBlock - 1) / kPerBlock;
+  return dim3(num_blocks(blocks * kThreadsPerBlock), static_cast<unsigned>(rows), 1u);
 }
 
 }  // namespace detail

@@ -14,7 +14,7 @@ using namespace detail;
 // registers). Fewer resident threads are fine here: each has (P - 1) code loads in flight.
 constexpr int owner_min_blocks(int world_size) { return world_size <= 2 ? 4 : (world_size <= 4 ? 3 : 2); }
 
-template <typename T, int kWorld, int kBits, int kGroupSize>
+template <typename T, int kWorld, int kBits, int kGroupSize, bool kPlain>
 __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel(const OwnerReduceArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
@@ -25,10 +25,15 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel
   const int64_t in_seg = gi * kGroupSize;  // the group's first element in the segment
   const int64_t code_offset = gi * kCodeBytes;
 
+  // The own rs: x's loads are issued first. The plain path keeps x as loaded (half the registers of fp32
+  // for 16-bit x) and converts it at its turn in the sum; the others form rs here, so that their state
+  // loads are in flight together with the copies'.
+  const int64_t own_e = int64_t(a.rank) * a.layout.groups_per_segment * kGroupSize + in_seg;
+  RawChunks<T> own_raw;
+  load_contribution_x<T, kLanes>(a.src, own_e, lane, a.layout.numel, own_raw);
   const int k = pow2_exponent(a.pow2_amax);
-  float own[kElemsPerThread];
-  contribution<T, kLanes>(a.src, int64_t(a.rank) * a.layout.groups_per_segment * kGroupSize + in_seg, lane,
-                          a.layout.numel, k, own);
+  float own[kPlain ? 1 : kElemsPerThread];
+  if constexpr (!kPlain) contribution_from_raw<T, kLanes>(a.src, own_raw, own_e, lane, k, own);
   Codes<kBits> copies[kWorld];
   uint16_t scale_bits[kWorld];
   uint16_t zero_bits[kWorld];
@@ -46,8 +51,12 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel
   for (int r = 0; r < kWorld; ++r) {
     float t[kElemsPerThread];
     if (r == a.rank) {
+      if constexpr (kPlain) {
+        contribution_from_raw<T, kLanes, true>(a.src, own_raw, own_e, lane, k, t);
+      } else {
 #pragma unroll
-      for (int i = 0; i < kElemsPerThread; ++i) t[i] = own[i];
+        for (int i = 0; i < kElemsPerThread; ++i) t[i] = own[i];
+      }
     } else {
       const GroupParams p = params_from_bits(scale_bits[r], zero_bits[r]);
       decode<kBits>(copies[r], p.scale, p.zero, t);
@@ -69,7 +78,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel
     }
   }
 
-  if (a.residual_out != nullptr) {
+  if (!kPlain && a.residual_out != nullptr) {
     // residual "local", own share: e = s_hat_scaled - acc, u = -(e 2^-k).
     float u[kElemsPerThread];
     local_residual<kBits>(codes, p, acc, k, u);
@@ -93,7 +102,11 @@ void launch_owner_reduce(const OwnerReduceArgs& a, cudaStream_t stream) {
   ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
     const dim3 grid = grid_of_rows<kLanes>(a.num_groups, 1);
-    owner_reduce_kernel<T, kWorld, kBits, kGroup><<<grid, kThreadsPerBlock, 0, stream>>>(a);
+    if (is_plain(a.src) && a.residual_out == nullptr) {
+      owner_reduce_kernel<T, kWorld, kBits, kGroup, true><<<grid, kThreadsPerBlock, 0, stream>>>(a);
+    } else {
+      owner_reduce_kernel<T, kWorld, kBits, kGroup, false><<<grid, kThreadsPerBlock, 0, stream>>>(a);
+    }
     ECHO_CHECK(cudaGetLastError());
   }))));
 }

@@ -237,10 +237,12 @@ def test_unaligned_view(ops):
     assert_packet(ops, out[0], layout, spec, *C.quantize_segments(acc[None], spec), "reduced segment")
 
 
-def test_push_quantize_tiles(ops):
-    """Tiles of groups written one after the other give the whole-segment result."""
+@pytest.mark.parametrize("rotation", [False, True], ids=["plain", "rotated"])
+def test_push_quantize_tiles(ops, rotation):
+    """Tiles of groups written one after the other give the whole-segment result (tiles of 37 and 150
+    groups: the plain entry's blocks, two runs of 64 groups at g = 64, are partly or wholly filled)."""
     gen = torch.Generator(device=dev()).manual_seed(6)
-    spec = QuantSpec(bits=4, group_size=64, rotation=True)
+    spec = QuantSpec(bits=4, group_size=64, rotation=rotation)
     x = random_input(50_000, 64, torch.bfloat16, gen)
     P, rank = 4, 2
     layout = C.Layout(x.numel(), P, 64)
@@ -248,10 +250,13 @@ def test_push_quantize_tiles(ops):
     whole, tiled = poison_packets(P, layout, spec, ops), poison_packets(P, layout, spec, ops)
     ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
                       out=ops.packet_table([None if j == rank else whole[j] for j in range(P)], layout, spec))
-    for b in range(0, G, 37):
+    b, n = 0, 0
+    while b < G:
+        t = min((37, 150)[n % 2], G - b)
         ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
                           out=ops.packet_table([None if j == rank else tiled[j] for j in range(P)], layout, spec),
-                          group_begin=b, num_groups=min(37, G - b))
+                          group_begin=b, num_groups=t)
+        b, n = b + t, n + 1
     pb = ops.packet_bytes(layout, spec)
     assert_same(tiled[:, :pb], whole[:, :pb], "tiled packets")
 
