@@ -229,7 +229,8 @@ __device__ __forceinline__ void pack_chunk(const float* v, uint32_t* w) {
 }
 
 // This lane's 16 elements of T as loaded, before conversion: kChunks chunks of words. Splitting the load
-// from the conversion lets a kernel issue the loads of a later group before it works on an earlier one.
+// from the conversion lets a kernel issue a load early and hold its words (half the registers of fp32 for
+// 16-bit data) until it needs the values (the plain owner reduce).
 template <typename T>
 struct RawChunks {
   static constexpr int kWords = kChunkElems * int(sizeof(T)) / 4;
@@ -414,31 +415,6 @@ __device__ __forceinline__ __half group_scale(float raw) {
 // CPU divides, so the reference spells out the product to agree on both (a quotient that differs in the
 // last bit reached the fp16 scale in about 1e-4 of the groups, docs/kernels.md). The fp32 reciprocals
 // below are float(1.0 / double(b)), which is what quant.reciprocal rounds.
-// The four quotients of the straddling case, (-mn / zf, mx / (L - zf), -mn / zc, mx / (L - zc)): with
-// ECHO_SPLIT_DIVISIONS (an experiment, off by default) the first four lanes of the group each compute one
-// and the group shares them by shuffles; otherwise every lane computes all four. Same operations either way.
-#ifndef ECHO_SPLIT_DIVISIONS
-#define ECHO_SPLIT_DIVISIONS 0
-#endif
-template <int kLanes>
-__device__ __forceinline__ void straddle_quotients(float mn, float mx, float zf, float zc, float levels,
-                                                   float (&q)[4]) {
-  if constexpr (ECHO_SPLIT_DIVISIONS != 0 && kLanes >= 4) {
-    const unsigned lane_in_warp = threadIdx.x % kWarpSize;
-    const unsigned which = lane_in_warp & 3u;
-    const float z = which < 2 ? zf : zc;
-    const float mine = (which & 1u) ? f_div(mx, f_sub(levels, z)) : f_div(-mn, z);
-    const int first = static_cast<int>(lane_in_warp & ~unsigned(kLanes - 1));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) q[j] = __shfl_sync(group_mask<kLanes>(), mine, first + j);
-  } else {
-    q[0] = f_div(-mn, zf);
-    q[1] = f_div(mx, f_sub(levels, zf));
-    q[2] = f_div(-mn, zc);
-    q[3] = f_div(mx, f_sub(levels, zc));
-  }
-}
-
 template <int kBits, int kLanes>
 __device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool finite, Policy policy) {
   constexpr float kLevels = float((1 << kBits) - 1);
@@ -470,10 +446,8 @@ __device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool f
         // Straddling: the integer zero-point next to z0 in [1, L - 1] with the smaller widened scale.
         const float zf = fminf(fmaxf(floorf(z0), 1.0f), kLevels - 1.0f);
         const float zc = fminf(fmaxf(ceilf(z0), 1.0f), kLevels - 1.0f);
-        float q[4];
-        straddle_quotients<kLanes>(mn, mx, zf, zc, kLevels, q);
-        const float sf = fmaxf(q[0], q[1]);
-        const float sc = fmaxf(q[2], q[3]);
+        const float sf = fmaxf(f_div(-mn, zf), f_div(mx, f_sub(kLevels, zf)));
+        const float sc = fmaxf(f_div(-mn, zc), f_div(mx, f_sub(kLevels, zc)));
         const bool use_ceil = sc < sf;
         z = use_ceil ? zc : zf;
         raw = use_ceil ? sc : sf;
@@ -775,17 +749,12 @@ __device__ __forceinline__ void contribution(const Contribution& s, int64_t e, i
   contribution_from_raw<T, kLanes, kPlain>(s, r, e, lane, k, v);
 }
 
-// Groups per block and item under grid_of_rows.
+// (group within the row, lane) of this thread under grid_of_rows.
 template <int kLanes>
-constexpr int kGroupsPerBlockItem = kThreadsPerBlock / kLanes;
-
-// (group within the row, lane) of this thread's first item under grid_of_rows<kLanes, kItems>: a block
-// covers kItems consecutive runs of kGroupsPerBlockItem groups, item i of a thread is its first group plus
-// i kGroupsPerBlockItem.
-template <int kLanes, int kItems = 1>
 __device__ __forceinline__ int64_t group_in_row(int& lane) {
-  lane = static_cast<int>(threadIdx.x % kLanes);
-  return int64_t(blockIdx.x) * (kItems * kGroupsPerBlockItem<kLanes>) + threadIdx.x / kLanes;
+  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
+  lane = static_cast<int>(tid % kLanes);
+  return tid / kLanes;
 }
 
 // The host-side invariants of a Contribution (the binding checks them with clearer messages first).
@@ -808,13 +777,10 @@ inline unsigned num_blocks(int64_t num_threads) {
 
 // Grid of `rows` rows (blockIdx.y: a segment) of `groups` groups each (blockIdx.x), kLanes lanes per group:
 // the segment comes from the block row, so no thread divides by the group count.
-// kItems groups per thread (group_in_row).
-template <int kLanes, int kItems = 1>
+template <int kLanes>
 inline dim3 grid_of_rows(int64_t groups, int rows) {
   ECHO_HOST_ASSERT(rows >= 1 && rows <= 65535, "launch too large");
-  constexpr int64_t kPerBlock = int64_t(kItems) * kGroupsPerBlockItem<kLanes>;
-  const int64_t blocks = (groups + kPerBlock - 1) / kPerBlock;
-  return dim3(num_blocks(blocks * kThreadsPerBlock), static_cast<unsigned>(rows), 1u);
+  return dim3(num_blocks(groups * kLanes), static_cast<unsigned>(rows), 1u);
 }
 
 }  // namespace detail

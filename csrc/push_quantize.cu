@@ -8,65 +8,39 @@ namespace {
 
 using namespace detail;
 
-// Two instantiations per configuration: the plain entry (no compensation, rotation or residual), the
-// latency-bound one, and the full one, bound by the bytes of the state it reads (benchmarks/RESULTS.md).
-// Groups per thread of the plain entry (ECHO_ENTRY_ITEMS, 1 or 2): with 2, a thread issues the loads of x
-// for both its groups before it works on the first, so that the second's are in flight meanwhile (at 64
-// registers, i.e. 50% occupancy, the plain entry waits on its loads). fp32 x keeps 1: its 16 more live
-// registers would not fit under the cap.
-#ifndef ECHO_ENTRY_ITEMS
-#define ECHO_ENTRY_ITEMS 1
-#endif
-static_assert(ECHO_ENTRY_ITEMS == 1 || ECHO_ENTRY_ITEMS == 2, "ECHO_ENTRY_ITEMS is 1 or 2");
-template <typename T, bool kPlain>
-constexpr int kEntryItems = (kPlain && sizeof(T) < 4) ? ECHO_ENTRY_ITEMS : 1;
-
+// Two instantiations per configuration: the plain entry (no compensation, rotation or residual), which is
+// latency-bound and needs 40 registers, and the full one (64), bound by the bytes of the state it reads
+// (benchmarks/RESULTS.md). Sharing one instantiation held the plain entry at the full one's registers.
 template <typename T, int kBits, int kGroupSize, bool kPlain>
 __global__ void ECHO_KERNEL_BOUNDS(4) push_quantize_kernel(const PushQuantizeArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
   constexpr int kCodeBytes = kGroupSize * kBits / 8;
-  constexpr int kItems = kEntryItems<T, kPlain>;
   int lane;
-  const int64_t first = group_in_row<kLanes, kItems>(lane);  // groups of a sent segment; their lanes share them
-  if (first >= a.num_groups) return;                         // whole groups leave together
-  const int row = static_cast<int>(blockIdx.y);              // rows are the P - 1 sent segments
+  const int64_t item = group_in_row<kLanes>(lane);  // one group of a sent segment; its lanes share it
+  if (item >= a.num_groups) return;                 // whole groups leave together
+  const int row = static_cast<int>(blockIdx.y);     // rows are the P - 1 sent segments
   const int seg = row < a.rank ? row : row + 1;
+  const int64_t gi = a.group_begin + item;
   const int64_t seg_numel = a.layout.groups_per_segment * kGroupSize;
+  const int64_t e = int64_t(seg) * seg_numel + gi * kGroupSize;  // the group's first element (padded tensor)
 
-  RawChunks<T> raw[kItems];
-#pragma unroll
-  for (int it = 0; it < kItems; ++it) {
-    const int64_t item = first + it * kGroupsPerBlockItem<kLanes>;
-    if (item < a.num_groups) {
-      const int64_t e = int64_t(seg) * seg_numel + (a.group_begin + item) * kGroupSize;
-      load_contribution_x<T, kLanes>(a.src, e, lane, a.layout.numel, raw[it]);
-    }
-  }
   const int k = pow2_exponent(a.pow2_amax);
+  float v[kElemsPerThread];
+  contribution<T, kLanes, kPlain>(a.src, e, lane, a.layout.numel, k, v);
 
-#pragma unroll
-  for (int it = 0; it < kItems; ++it) {
-    const int64_t item = first + it * kGroupsPerBlockItem<kLanes>;
-    if (item >= a.num_groups) break;
-    const int64_t gi = a.group_begin + item;
-    const int64_t e = int64_t(seg) * seg_numel + gi * kGroupSize;  // the group's first element (padded tensor)
-    float v[kElemsPerThread];
-    contribution_from_raw<T, kLanes, kPlain>(a.src, raw[it], e, lane, k, v);
+  Codes<kBits> codes;
+  const GroupParams p = quantize_group<kBits, kLanes>(v, a.policy, codes);
+  store_codes<kBits, kLanes>(a.out.codes[seg] + gi * kCodeBytes, lane, codes);
+  if (lane == 0) {
+    a.out.scales[seg][gi] = p.scale_bits;
+    a.out.zeros[seg][gi] = p.zero_bits;
+  }
 
-    Codes<kBits> codes;
-    const GroupParams p = quantize_group<kBits, kLanes>(v, a.policy, codes);
-    store_codes<kBits, kLanes>(a.out.codes[seg] + gi * kCodeBytes, lane, codes);
-    if (lane == 0) {
-      a.out.scales[seg][gi] = p.scale_bits;
-      a.out.zeros[seg][gi] = p.zero_bits;
-    }
-
-    if (!kPlain && a.residual_out != nullptr) {
-      // residual "local" of the sent segments: the rounding error this rank added to rs.
-      float u[kElemsPerThread];
-      local_residual<kBits>(codes, p, v, k, u);
-      store_thread_f32<kLanes>(a.residual_out + e, lane, u);
-    }
+  if (!kPlain && a.residual_out != nullptr) {
+    // residual "local" of the sent segments: the rounding error this rank added to rs.
+    float u[kElemsPerThread];
+    local_residual<kBits>(codes, p, v, k, u);
+    store_thread_f32<kLanes>(a.residual_out + e, lane, u);
   }
 }
 
@@ -83,12 +57,10 @@ void launch_push_quantize(const PushQuantizeArgs& a, cudaStream_t stream) {
   ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, (void)kWorld);  // raises for unsupported P
   ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
-    const int rows = a.layout.world_size - 1;
+    const dim3 grid = grid_of_rows<kLanes>(a.num_groups, a.layout.world_size - 1);
     if (is_plain(a.src) && a.residual_out == nullptr) {
-      const dim3 grid = grid_of_rows<kLanes, kEntryItems<T, true>>(a.num_groups, rows);
       push_quantize_kernel<T, kBits, kGroup, true><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     } else {
-      const dim3 grid = grid_of_rows<kLanes, kEntryItems<T, false>>(a.num_groups, rows);
       push_quantize_kernel<T, kBits, kGroup, false><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     }
     ECHO_CHECK(cudaGetLastError());

@@ -239,8 +239,8 @@ def test_unaligned_view(ops):
 
 @pytest.mark.parametrize("rotation", [False, True], ids=["plain", "rotated"])
 def test_push_quantize_tiles(ops, rotation):
-    """Tiles of groups written one after the other give the whole-segment result (tiles of 37 and 150
-    groups: the plain entry's blocks, two runs of 64 groups at g = 64, are partly or wholly filled)."""
+    """Tiles of groups (37 and 150 in turn) written one after the other give the whole-segment result, for
+    the plain entry and the rotated one (two instantiations)."""
     gen = torch.Generator(device=dev()).manual_seed(6)
     spec = QuantSpec(bits=4, group_size=64, rotation=rotation)
     x = random_input(50_000, 64, torch.bfloat16, gen)
