@@ -176,7 +176,7 @@ def main():
     copy_bw = 2 * big.numel() * 2 / (min(t_memcpy, t_kernel) * 1e-3)
     print(f"copy bandwidth (1 GB, read + write): copy_ {4 * big.numel() / t_memcpy / 1e9:.3f} TB/s, "
           f"elementwise kernel {4 * big.numel() / t_kernel / 1e9:.3f} TB/s; ceiling {copy_bw / 1e12:.3f} TB/s")
-    del big, big_out
+    big = big_out = None  # frees the 2 GB (not del: the timed lambdas above name them)
 
     rows = []
     sizes = []
@@ -285,7 +285,7 @@ def main():
             xp = torch.nn.functional.pad(xf, (0, pad)) + c
             tc.update(xp - torch.nn.functional.pad(yf, (0, pad)) / P)
         add("torch_compensator", torch_comp, 2 * n + 16 * padded + 2 * n)
-        del tc, xf, yf
+        tc = xf = yf = None
 
         if {"entry", "entry+comp", "entry+corr", "entry+rot", "torch_compensator", "update_output"} <= set(results):
             added = results["entry+comp"] - results["entry"]
@@ -295,7 +295,7 @@ def main():
                   f"+{100 * (results['entry+rot'] / results['entry'] - 1):.0f}%; unfused PyTorch compensator: "
                   f"{results['torch_compensator']:.4f} ms, fused update (off the critical path): "
                   f"{results['update_output']:.4f} ms")
-        del x, m1, m2, corr, u, send, gathered, resid, y
+        x = m1 = m2 = corr = u = send = gathered = resid = y = None  # this size's buffers go
         torch.cuda.empty_cache()
 
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device=props.name,

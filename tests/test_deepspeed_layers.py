@@ -177,7 +177,7 @@ def _scenarios(rank, world_size, shm_port):
 
     import echo_ds.deepspeed as echo
     from echo_ds.compensator import make_compensator
-    from echo_ds.quant import QuantSpec, wire_bytes
+    from echo_ds.quant import wire_bytes
     from echo_ds.reference import echo_all_reduce
 
     _ds_env(rank, world_size, shm_port)
