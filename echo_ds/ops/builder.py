@@ -30,12 +30,13 @@ CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = (
     "push_quantize.cu",
     "owner_reduce.cu",
+    "owner_reduce_plain.cu",
     "dequantize.cu",
     "compensator_update.cu",
     "pow2_amax.cu",
     "echo_binding.cpp",
 )
-HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_common.cuh")
+HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_common.cuh", "owner_reduce.cuh")
 
 DEFAULT_ARCH_LIST = "9.0"
 MIN_COMPUTE_CAPABILITY = (8, 0)

@@ -1,0 +1,104 @@
+// Stage 2, owner reduce, the kernel (internal to csrc/; the stage is described in owner_reduce.cu).
+// Two translation units instantiate it: owner_reduce.cu the full kernel (compensation, rotation, residual)
+// and the host entry point, owner_reduce_plain.cu the plain one, so that the two halves of its 144
+// instantiations build in parallel.
+#pragma once
+
+#include "echo_common.cuh"
+
+namespace echo {
+namespace detail {
+
+// Resident blocks per SM: the P - 1 copies are loaded together, so the registers a thread needs grow with P;
+// these are the most blocks at which ptxas allocates every instantiation without spilling (64, 85 and 128
+// registers). Fewer resident threads are fine here: each has (P - 1) code loads in flight.
+constexpr int owner_min_blocks(int world_size) { return world_size <= 2 ? 4 : (world_size <= 4 ? 3 : 2); }
+
+template <typename T, int kWorld, int kBits, int kGroupSize, bool kPlain>
+__global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel(const OwnerReduceArgs a) {
+  constexpr int kLanes = kGroupSize / kElemsPerThread;
+  constexpr int kCodeBytes = kGroupSize * kBits / 8;
+  int lane;
+  const int64_t item = group_in_row<kLanes>(lane);  // one row: the owned segment
+  if (item >= a.num_groups) return;
+  const int64_t gi = a.group_begin + item;
+  const int64_t in_seg = gi * kGroupSize;  // the group's first element in the segment
+  const int64_t code_offset = gi * kCodeBytes;
+
+  // The own rs: x's loads are issued first. The plain path keeps x as loaded (half the registers of fp32
+  // for 16-bit x) and converts it at its turn in the sum; the others form rs here, so that their state
+  // loads are in flight together with the copies'.
+  const int64_t own_e = int64_t(a.rank) * a.layout.groups_per_segment * kGroupSize + in_seg;
+  RawChunks<T> own_raw;
+  load_contribution_x<T, kLanes>(a.src, own_e, lane, a.layout.numel, own_raw);
+  const int k = pow2_exponent(a.pow2_amax);
+  float own[kPlain ? 1 : kElemsPerThread];
+  if constexpr (!kPlain) contribution_from_raw<T, kLanes>(a.src, own_raw, own_e, lane, k, own);
+  Codes<kBits> copies[kWorld];
+  uint16_t scale_bits[kWorld];
+  uint16_t zero_bits[kWorld];
+#pragma unroll
+  for (int r = 0; r < kWorld; ++r) {
+    if (r != a.rank) {
+      copies[r] = load_codes<kBits, kLanes>(a.in.codes[r] + code_offset, lane);
+      scale_bits[r] = a.in.scales[r][gi];
+      zero_bits[r] = a.in.zeros[r][gi];
+    }
+  }
+
+  float acc[kElemsPerThread];
+#pragma unroll
+  for (int r = 0; r < kWorld; ++r) {
+    float t[kElemsPerThread];
+    if (r == a.rank) {
+      if constexpr (kPlain) {
+        contribution_from_raw<T, kLanes, true>(a.src, own_raw, own_e, lane, k, t);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kElemsPerThread; ++i) t[i] = own[i];
+      }
+    } else {
+      const GroupParams p = params_from_bits(scale_bits[r], zero_bits[r]);
+      decode<kBits>(copies[r], p.scale, p.zero, t);
+    }
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) acc[i] = (r == 0) ? t[i] : f_add(acc[i], t[i]);
+  }
+
+  Codes<kBits> codes;
+  const GroupParams p = quantize_group<kBits, kLanes>(acc, a.policy, codes);
+#pragma unroll
+  for (int d = 0; d < kWorld; ++d) {
+    if (a.out.codes[d] != nullptr) {
+      store_codes<kBits, kLanes>(a.out.codes[d] + code_offset, lane, codes);
+      if (lane == 0) {
+        a.out.scales[d][gi] = p.scale_bits;
+        a.out.zeros[d][gi] = p.zero_bits;
+      }
+    }
+  }
+
+  if (!kPlain && a.residual_out != nullptr) {
+    // residual "local", own share: e = s_hat_scaled - acc, u = -(e 2^-k).
+    float u[kElemsPerThread];
+    local_residual<kBits>(codes, p, acc, k, u);
+    store_thread_f32<kLanes>(a.residual_out + in_seg, lane, u);
+  }
+}
+
+// Launches the kPlain instantiation for the configuration of a (the host checks are the caller's).
+template <bool kPlain>
+void launch_owner_reduce_kernel(const OwnerReduceArgs& a, cudaStream_t stream) {
+  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+    constexpr int kLanes = kGroup / kElemsPerThread;
+    const dim3 grid = grid_of_rows<kLanes>(a.num_groups, 1);
+    owner_reduce_kernel<T, kWorld, kBits, kGroup, kPlain><<<grid, kThreadsPerBlock, 0, stream>>>(a);
+    ECHO_CHECK(cudaGetLastError());
+  }))));
+}
+
+extern template void launch_owner_reduce_kernel<true>(const OwnerReduceArgs&, cudaStream_t);
+extern template void launch_owner_reduce_kernel<false>(const OwnerReduceArgs&, cudaStream_t);
+
+}  // namespace detail
+}  // namespace echo
