@@ -681,17 +681,32 @@ __device__ __forceinline__ int pow2_exponent(const float* amax_ptr) {
 __device__ __forceinline__ float exp2_int(int k) { return __int_as_float((127 + k) << 23); }
 
 // Residual "local" of one lane (Compensator, residual "local"): u = -(e 2^-k), e = decode(codes) - v, the
-// rounding error the codes carry against the values v they quantized, scaled back when rescaling by 2^k.
-template <int kBits>
-__device__ __forceinline__ void local_residual(const Codes<kBits>& codes, const GroupParams& p,
-                                               const float (&v)[kElemsPerThread], int k,
-                                               float (&u)[kElemsPerThread]) {
+// rounding error the codes carry against the values v they quantized, scaled back when rescaling by 2^k;
+// written to the lane's elements of the fp32 group at `group`.
+template <int kBits, int kLanes>
+__device__ __forceinline__ void store_local_residual(float* __restrict__ group, int lane, const Codes<kBits>& codes,
+                                                     const GroupParams& p, const float (&v)[kElemsPerThread],
+                                                     int k) {
+  float u[kElemsPerThread];
   decode<kBits>(codes, p.scale, p.zero, u);
   const float down = exp2_int(-k);
 #pragma unroll
   for (int i = 0; i < kElemsPerThread; ++i) {
     const float err = f_sub(u[i], v[i]);
     u[i] = -(k != 0 ? f_mul(err, down) : err);
+  }
+  store_thread_f32<kLanes>(group, lane, u);
+}
+
+// Group gi of segment seg of a packet table: the lanes' codes, and the parameters from the group's lane 0.
+template <int kBits, int kLanes>
+__device__ __forceinline__ void store_packet_group(const QuantTable& t, int seg, int64_t gi, int lane,
+                                                   const Codes<kBits>& codes, const GroupParams& p) {
+  constexpr int kCodeBytes = kLanes * kElemsPerThread * kBits / 8;
+  store_codes<kBits, kLanes>(t.codes[seg] + gi * kCodeBytes, lane, codes);
+  if (lane == 0) {
+    t.scales[seg][gi] = p.scale_bits;
+    t.zeros[seg][gi] = p.zero_bits;
   }
 }
 

@@ -69,20 +69,11 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel
   const GroupParams p = quantize_group<kBits, kLanes>(acc, a.policy, codes);
 #pragma unroll
   for (int d = 0; d < kWorld; ++d) {
-    if (a.out.codes[d] != nullptr) {
-      store_codes<kBits, kLanes>(a.out.codes[d] + code_offset, lane, codes);
-      if (lane == 0) {
-        a.out.scales[d][gi] = p.scale_bits;
-        a.out.zeros[d][gi] = p.zero_bits;
-      }
-    }
+    if (a.out.codes[d] != nullptr) store_packet_group<kBits, kLanes>(a.out, d, gi, lane, codes, p);
   }
-
   if (!kPlain && a.residual_out != nullptr) {
     // residual "local", own share: e = s_hat_scaled - acc, u = -(e 2^-k).
-    float u[kElemsPerThread];
-    local_residual<kBits>(codes, p, acc, k, u);
-    store_thread_f32<kLanes>(a.residual_out + in_seg, lane, u);
+    store_local_residual<kBits, kLanes>(a.residual_out + in_seg, lane, codes, p, acc, k);
   }
 }
 

@@ -14,7 +14,6 @@ using namespace detail;
 template <typename T, int kBits, int kGroupSize, bool kPlain>
 __global__ void ECHO_KERNEL_BOUNDS(4) push_quantize_kernel(const PushQuantizeArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
-  constexpr int kCodeBytes = kGroupSize * kBits / 8;
   int lane;
   const int64_t item = group_in_row<kLanes>(lane);  // one group of a sent segment; its lanes share it
   if (item >= a.num_groups) return;                 // whole groups leave together
@@ -30,17 +29,10 @@ __global__ void ECHO_KERNEL_BOUNDS(4) push_quantize_kernel(const PushQuantizeArg
 
   Codes<kBits> codes;
   const GroupParams p = quantize_group<kBits, kLanes>(v, a.policy, codes);
-  store_codes<kBits, kLanes>(a.out.codes[seg] + gi * kCodeBytes, lane, codes);
-  if (lane == 0) {
-    a.out.scales[seg][gi] = p.scale_bits;
-    a.out.zeros[seg][gi] = p.zero_bits;
-  }
-
+  store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
   if (!kPlain && a.residual_out != nullptr) {
     // residual "local" of the sent segments: the rounding error this rank added to rs.
-    float u[kElemsPerThread];
-    local_residual<kBits>(codes, p, v, k, u);
-    store_thread_f32<kLanes>(a.residual_out + e, lane, u);
+    store_local_residual<kBits, kLanes>(a.residual_out + e, lane, codes, p, v, k);
   }
 }
 
