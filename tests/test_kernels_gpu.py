@@ -205,6 +205,23 @@ def test_push_quantize(ops, dtype, bits, policy, rotation, g):
                gen=gen)
 
 
+PLAIN_CASES = list(itertools.product(DTYPES, BITS, POLICIES, GROUP_SIZES))
+
+
+@pytest.mark.parametrize("dtype,bits,policy,g", PLAIN_CASES,
+                         ids=[f"{str(d)[6:]}-b{b}-{p}-g{g}" for d, b, p, g in PLAIN_CASES])
+def test_push_quantize_plain(ops, dtype, bits, policy, g):
+    """The plain entry (no compensation, rotation or residual: its own instantiation) for every dtype, bit
+    width, quantizer and group size."""
+    i = PLAIN_CASES.index((dtype, bits, policy, g))
+    gen = torch.Generator(device=dev()).manual_seed(3000 + i)
+    P = WORLD_SIZES[i % 4]
+    spec = QuantSpec(bits=bits, group_size=g, policy=policy)
+    numel = P * g * (40 + i % 5) - (i * 37) % (P * g) + 1  # a few blocks per segment, a ragged end
+    entry_case(ops, P=P, rank=(i * 3) % P, dtype=dtype, spec=spec, numel=numel, comp_mode="none", local=False,
+               pow2=(i % 2 == 1), gen=gen)
+
+
 @pytest.mark.parametrize("numel", [1, 7, 1000, 100_003, 4_000_037])
 def test_push_quantize_sizes(ops, numel):
     gen = torch.Generator(device=dev()).manual_seed(numel)
@@ -297,24 +314,16 @@ def test_pow2_amax(ops, dtype, rotation, comp_mode):
 # Owner reduce
 # ----------------------------------------------------------------------------------------------------
 
-REDUCE_CASES = list(itertools.product(WORLD_SIZES, BITS, POLICIES, GROUP_SIZES))
-
-
-@pytest.mark.parametrize("P,bits,policy,g", REDUCE_CASES, ids=[f"P{P}-b{b}-{p}-g{g}" for P, b, p, g in REDUCE_CASES])
-def test_owner_reduce(ops, P, bits, policy, g):
-    i = REDUCE_CASES.index((P, bits, policy, g))
-    gen = torch.Generator(device=dev()).manual_seed(2000 + i)
-    spec = QuantSpec(bits=bits, group_size=g, policy=policy, rotation=i % 4 >= 2)
-    numel = P * g * (2 + i % 7) - (i * 53) % (P * g)
-    dtype = DTYPES[i % 3]
+def owner_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, tiled, inf_own, gen):
+    """The owner reduce against the reference: copies of random groups from the other ranks, the own
+    segment formed from x (and the state), written to every other destination and to its own."""
+    g = spec.group_size
     layout = C.Layout(numel, P, g)
     G, S = layout.groups_per_segment, layout.segment_numel
-    rank = i % P
-    local = i % 2 == 1
     x = random_input(numel, g, dtype, gen)
-    if i % 5 == 0 and rank * S + 3 * g < numel:  # a non-finite own group must give a NaN group
+    if inf_own and rank * S + 3 * g < numel:  # a non-finite own group must give a NaN group
         x[rank * S + 2 * g + 3] = float("inf")
-    rs, k, kw = ref_contribution(x, layout, spec, ("none", "state", "correction")[i % 3], i % 3 == 0, gen)
+    rs, k, kw = ref_contribution(x, layout, spec, comp_mode, pow2, gen)
     sent = [C.quantize_segments(random_groups(G, g, gen), spec) for _ in range(P)]
     terms = torch.stack([rs[rank] if r == rank else C.dequantize_segments(*sent[r], spec) for r in range(P)])
     acc = C.ordered_sum(terms)
@@ -324,7 +333,7 @@ def test_owner_reduce(ops, P, bits, policy, g):
     outbuf = poison_packets(P, layout, spec, ops)
     dests = [outbuf[d] if d % 2 == 0 or d == rank else None for d in range(P)]
     residual = poison_f32(S) if local else None
-    tiles = [(0, G)] if i % 4 != 1 else [(b, min(b + 2, G)) for b in range(0, G, 2)]
+    tiles = [(b, min(b + 2, G)) for b in range(0, G, 2)] if tiled else [(0, G)]
     for b, e in tiles:
         ops.owner_reduce(x, rank=rank, world_size=P, spec=spec,
                          copies=ops.packet_table([None if r == rank else inbuf[r] for r in range(P)], layout, spec),
@@ -340,6 +349,35 @@ def test_owner_reduce(ops, P, bits, policy, g):
         err = C.dequantize_segments(codes, scale, zero, spec)[0] - acc
         u = -(err * 2.0**-k) if k else -err
         assert_same(residual, u.reshape(-1), "own residual")
+
+
+REDUCE_CASES = list(itertools.product(WORLD_SIZES, BITS, POLICIES, GROUP_SIZES))
+
+
+@pytest.mark.parametrize("P,bits,policy,g", REDUCE_CASES, ids=[f"P{P}-b{b}-{p}-g{g}" for P, b, p, g in REDUCE_CASES])
+def test_owner_reduce(ops, P, bits, policy, g):
+    i = REDUCE_CASES.index((P, bits, policy, g))
+    gen = torch.Generator(device=dev()).manual_seed(2000 + i)
+    spec = QuantSpec(bits=bits, group_size=g, policy=policy, rotation=i % 4 >= 2)
+    owner_case(ops, P=P, rank=i % P, dtype=DTYPES[i % 3], spec=spec,
+               numel=P * g * (2 + i % 7) - (i * 53) % (P * g), comp_mode=("none", "state", "correction")[i % 3],
+               local=i % 2 == 1, pow2=i % 3 == 0, tiled=i % 4 == 1, inf_own=i % 5 == 0, gen=gen)
+
+
+REDUCE_PLAIN_CASES = list(itertools.product(DTYPES, WORLD_SIZES, BITS, GROUP_SIZES))
+
+
+@pytest.mark.parametrize("dtype,P,bits,g", REDUCE_PLAIN_CASES,
+                         ids=[f"{str(d)[6:]}-P{P}-b{b}-g{g}" for d, P, b, g in REDUCE_PLAIN_CASES])
+def test_owner_reduce_plain(ops, dtype, P, bits, g):
+    """The plain owner reduce (its own instantiation, which keeps x as loaded until its turn in the sum)
+    for every dtype, world size, bit width and group size; the quantizer cycles."""
+    i = REDUCE_PLAIN_CASES.index((dtype, P, bits, g))
+    gen = torch.Generator(device=dev()).manual_seed(4000 + i)
+    spec = QuantSpec(bits=bits, group_size=g, policy=POLICIES[i % 3])
+    owner_case(ops, P=P, rank=(i * 5) % P, dtype=dtype, spec=spec,
+               numel=P * g * (40 + i % 7) - (i * 53) % (P * g), comp_mode="none", local=False,
+               pow2=i % 2 == 1, tiled=i % 4 == 3, inf_own=i % 5 == 0, gen=gen)
 
 
 # ----------------------------------------------------------------------------------------------------
