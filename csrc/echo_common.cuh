@@ -779,9 +779,10 @@ inline void check_contribution(const Contribution& s) {
   ECHO_HOST_ASSERT((s.m1 == nullptr) == (s.m2 == nullptr), "m1 and m2 come together");
 }
 
-// Neither compensation nor rotation: rs = x 2^k.
-inline bool is_plain(const Contribution& s) {
-  return s.m1 == nullptr && s.correction == nullptr && s.hadamard.enabled == 0;
+// The plain instantiation of a stage applies: neither compensation nor rotation (rs = x 2^k) and no
+// residual output.
+inline bool is_plain(const Contribution& s, const float* residual_out) {
+  return s.m1 == nullptr && s.correction == nullptr && s.hadamard.enabled == 0 && residual_out == nullptr;
 }
 
 inline unsigned num_blocks(int64_t num_threads) {

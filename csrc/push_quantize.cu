@@ -50,7 +50,7 @@ void launch_push_quantize(const PushQuantizeArgs& a, cudaStream_t stream) {
   ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
     const dim3 grid = grid_of_rows<kLanes>(a.num_groups, a.layout.world_size - 1);
-    if (is_plain(a.src) && a.residual_out == nullptr) {
+    if (is_plain(a.src, a.residual_out)) {
       push_quantize_kernel<T, kBits, kGroup, true><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     } else {
       push_quantize_kernel<T, kBits, kGroup, false><<<grid, kThreadsPerBlock, 0, stream>>>(a);
