@@ -27,6 +27,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "echo_api.cuh"
@@ -415,8 +416,10 @@ __device__ __forceinline__ __half group_scale(float raw) {
 // CPU divides, so the reference spells out the product to agree on both (a quotient that differs in the
 // last bit reached the fp16 scale in about 1e-4 of the groups, docs/kernels.md). The fp32 reciprocals
 // below are float(1.0 / double(b)), which is what quant.reciprocal rounds.
+// `lane`: the thread's lane in its group (the straddling case spreads its four divisions over four lanes).
 template <int kBits, int kLanes>
-__device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool finite, Policy policy) {
+__device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool finite, Policy policy, int lane) {
+  static_assert(kLanes >= 4, "the straddling case needs four lanes per group");
   constexpr float kLevels = float((1 << kBits) - 1);
   constexpr float kInvLevels = float(1.0 / double((1 << kBits) - 1));
   constexpr float kInvQmax = float(1.0 / double((1 << (kBits - 1)) - 1));
@@ -443,11 +446,22 @@ __device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool f
       float raw, z;
       bool naive_zero = false;
       if (mn < 0.0f && mx > 0.0f) {
-        // Straddling: the integer zero-point next to z0 in [1, L - 1] with the smaller widened scale.
+        // Straddling: the integer zero-point next to z0 in [1, L - 1] with the smaller widened scale,
+        //   sf = max(-mn / zf, mx / (L - zf)),  sc = max(-mn / zc, mx / (L - zc)).
+        // Each of the group's lanes computes one of the four quotients (lane % 4, in that order) and two
+        // shuffles give every lane both maxima: one division per lane instead of four. The quotients are
+        // positive (mn < 0 < mx, zf and zc in [1, L - 1]), so the max does not depend on operand order.
         const float zf = fminf(fmaxf(floorf(z0), 1.0f), kLevels - 1.0f);
         const float zc = fminf(fmaxf(ceilf(z0), 1.0f), kLevels - 1.0f);
-        const float sf = fmaxf(f_div(-mn, zf), f_div(mx, f_sub(kLevels, zf)));
-        const float sc = fmaxf(f_div(-mn, zc), f_div(mx, f_sub(kLevels, zc)));
+        const bool ceil_lane = (lane & 2) != 0;
+        const bool upper_lane = (lane & 1) != 0;
+        const float zq = ceil_lane ? zc : zf;
+        const float quotient = f_div(upper_lane ? mx : -mn, upper_lane ? f_sub(kLevels, zq) : zq);
+        const unsigned mask = group_mask<kLanes>();
+        const float own_pair = fmaxf(quotient, __shfl_xor_sync(mask, quotient, 1));
+        const float other_pair = __shfl_xor_sync(mask, own_pair, 2);
+        const float sf = ceil_lane ? other_pair : own_pair;
+        const float sc = ceil_lane ? own_pair : other_pair;
         const bool use_ceil = sc < sf;
         z = use_ceil ? zc : zf;
         raw = use_ceil ? sc : sf;
@@ -524,23 +538,44 @@ __device__ __forceinline__ void group_stats(const float (&v)[kElemsPerThread], f
   finite = is_finite(mn) && is_finite(mx);
 }
 
+// Two codes into a word being built from its top byte down (PTX cvt.pack.sat, sm_72+): returns
+// (acc << 2 kBits) | (clip(hi) << kBits) | clip(lo), clip to [0, 2^b - 1]. One instruction does the clip
+// and the packing of two codes, which took a min, a shift and an or for each.
+template <int kBits>
+__device__ __forceinline__ uint32_t pack_code_pair(int hi, int lo, uint32_t acc) {
+  static_assert(kBits == 4 || kBits == 8, "4- or 8-bit codes");
+  uint32_t d;
+  if constexpr (kBits == 4) {
+    asm("cvt.pack.sat.u4.s32.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(hi), "r"(lo), "r"(acc));
+  } else {
+    asm("cvt.pack.sat.u8.s32.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(hi), "r"(lo), "r"(acc));
+  }
+  return d;
+}
+
 // codes of v under p (quant.encode): clip(rint(v * inv + z), q_min, 2^b - 1), 0 for a non-finite group.
-// cvt.rni.u32 rounds half to even and saturates (negatives to 0), so the integer min (and, for the
-// symmetric grid, max with q_min = 1) give clip(rint(t), q_min, 2^b - 1) for every finite t. The policy
-// and the finite flag are the group's, so their branches sit outside the per-element loop.
+// cvt.rni.s32 rounds half to even and saturates to the int range (NaN to 0), and pack_code_pair clips to
+// [0, 2^b - 1], which gives clip(rint(t), 0, 2^b - 1) for every t; the symmetric grid's q_min = 1 is a max
+// before the packing. The policy and the finite flag are the group's, so their branches sit outside the
+// per-element loop. Word k holds registers kPerWord k .. kPerWord (k + 1) - 1, the lowest in its low bits,
+// so it is built from its last pair of registers down.
 template <int kBits, bool kSymmetric>
 __device__ __forceinline__ Codes<kBits> encode_finite(const float (&v)[kElemsPerThread], const GroupParams& p) {
-  constexpr uint32_t kMaxCode = (1u << kBits) - 1u;
   constexpr int kPerWord = 32 / kBits;
+  const auto code = [&](int i) {
+    const int q = __float2int_rn(f_add(f_mul(v[i], p.inv), p.zero));
+    return kSymmetric ? max(q, 1) : q;
+  };
   Codes<kBits> c;
 #pragma unroll
-  for (int k = 0; k < Codes<kBits>::kWords; ++k) c.w[k] = 0u;
+  for (int k = 0; k < Codes<kBits>::kWords; ++k) {
+    uint32_t w = 0u;
 #pragma unroll
-  for (int i = 0; i < kElemsPerThread; ++i) {
-    const float t = f_add(f_mul(v[i], p.inv), p.zero);
-    uint32_t code = min(__float2uint_rn(t), kMaxCode);
-    if constexpr (kSymmetric) code = max(code, 1u);
-    c.w[i / kPerWord] |= code << (kBits * (i % kPerWord));
+    for (int i = kPerWord - 2; i >= 0; i -= 2) {
+      const int r = k * kPerWord + i;
+      w = pack_code_pair<kBits>(code(r + 1), code(r), w);
+    }
+    c.w[k] = w;
   }
   return c;
 }
@@ -568,12 +603,12 @@ __device__ __forceinline__ void decode(const Codes<kBits>& c, float scale, float
 
 // Full group quantization of v held by the group's lanes.
 template <int kBits, int kLanes>
-__device__ __forceinline__ GroupParams quantize_group(const float (&v)[kElemsPerThread], Policy policy,
+__device__ __forceinline__ GroupParams quantize_group(const float (&v)[kElemsPerThread], Policy policy, int lane,
                                                       Codes<kBits>& codes) {
   float mn, mx;
   bool finite;
   group_stats<kLanes>(v, mn, mx, finite);
-  const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy);
+  const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy, lane);
   codes = encode<kBits>(v, p, policy);
   return p;
 }
@@ -762,6 +797,95 @@ __device__ __forceinline__ void contribution(const Contribution& s, int64_t e, i
   RawChunks<T> r;
   load_contribution_x<T, kLanes>(s, e, lane, numel, r);
   contribution_from_raw<T, kLanes, kPlain>(s, r, e, lane, k, v);
+}
+
+// min, max and the finite flag of rs = x 2^k over the group's lanes, from the packed words of 16-bit x
+// (the plain entry): two elements per min/max instruction (HMNMX2 with NaN propagation, sm_80+), and the
+// min and the negated max travel in one word through the shuffles. The same values as group_stats on rs:
+// x 2^k rounds monotonically, so min(x 2^k) = min(x) 2^k (and likewise max; NaN and infinity carry
+// through the product, and a zero's sign does not reach the codes, tests/test_kernels_gpu.py).
+template <typename T>
+struct PairOf;
+template <>
+struct PairOf<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ type min_nan(type a, type b) { return __hmin2_nan(a, b); }
+  static __device__ __forceinline__ type max_nan(type a, type b) { return __hmax2_nan(a, b); }
+};
+template <>
+struct PairOf<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ type min_nan(type a, type b) { return __hmin2_nan(a, b); }
+  static __device__ __forceinline__ type max_nan(type a, type b) { return __hmax2_nan(a, b); }
+};
+
+template <typename T, int kLanes>
+__device__ __forceinline__ void group_stats_packed(const RawChunks<T>& r, int k, float& mn, float& mx,
+                                                   bool& finite) {
+  static_assert(sizeof(T) == 2, "packed statistics are for 16-bit x");
+  using Pair = PairOf<T>;
+  using T2 = typename Pair::type;
+  const auto as_pair = [](uint32_t w) {
+    T2 t;
+    memcpy(&t, &w, sizeof(t));
+    return t;
+  };
+  const auto bits_of = [](T2 t) {
+    uint32_t w;
+    memcpy(&w, &t, sizeof(w));
+    return w;
+  };
+  T2 lo = as_pair(r.w[0][0]);  // element-wise min and max of the lane's pairs
+  T2 hi = lo;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+    for (int j = 0; j < RawChunks<T>::kWords; ++j) {
+      if (c == 0 && j == 0) continue;
+      lo = Pair::min_nan(lo, as_pair(r.w[c][j]));
+      hi = Pair::max_nan(hi, as_pair(r.w[c][j]));
+    }
+  }
+  // (min, -max): the low halves of lo and hi against their high halves, the max side negated.
+  const uint32_t lo_bits = bits_of(lo);
+  const uint32_t hi_bits = bits_of(hi);
+  T2 m = Pair::min_nan(as_pair(__byte_perm(lo_bits, hi_bits, 0x5410) ^ 0x80000000u),
+                       as_pair(__byte_perm(lo_bits, hi_bits, 0x7632) ^ 0x80000000u));
+  const unsigned mask = group_mask<kLanes>();
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o /= 2) {
+    m = Pair::min_nan(m, as_pair(__shfl_xor_sync(mask, bits_of(m), o)));
+  }
+  mn = word_to_f32<T>(bits_of(m), 0);
+  mx = -word_to_f32<T>(bits_of(m), 1);
+  if (k != 0) {
+    const float up = exp2_int(k);
+    mn = f_mul(mn, up);
+    mx = f_mul(mx, up);
+  }
+  finite = is_finite(mn) && is_finite(mx);
+}
+
+// The plain entry's group (rs = x 2^k, no compensation, rotation or residual): v = rs and its codes. For
+// 16-bit x the statistics come from the packed words (group_stats_packed), before the conversion.
+template <typename T, int kBits, int kLanes>
+__device__ __forceinline__ GroupParams quantize_plain_group(const Contribution& s, int64_t e, int lane, int64_t numel,
+                                                            int k, Policy policy, float (&v)[kElemsPerThread],
+                                                            Codes<kBits>& codes) {
+  if constexpr (sizeof(T) == 2) {
+    RawChunks<T> r;
+    load_contribution_x<T, kLanes>(s, e, lane, numel, r);
+    float mn, mx;
+    bool finite;
+    group_stats_packed<T, kLanes>(r, k, mn, mx, finite);
+    contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v);
+    const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy, lane);
+    codes = encode<kBits>(v, p, policy);
+    return p;
+  } else {
+    contribution<T, kLanes, true>(s, e, lane, numel, k, v);
+    return quantize_group<kBits, kLanes>(v, policy, lane, codes);
+  }
 }
 
 // (group within the row, lane) of this thread under grid_of_rows.

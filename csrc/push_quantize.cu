@@ -25,10 +25,14 @@ __global__ void ECHO_KERNEL_BOUNDS(4) push_quantize_kernel(const PushQuantizeArg
 
   const int k = pow2_exponent(a.pow2_amax);
   float v[kElemsPerThread];
-  contribution<T, kLanes, kPlain>(a.src, e, lane, a.layout.numel, k, v);
-
   Codes<kBits> codes;
-  const GroupParams p = quantize_group<kBits, kLanes>(v, a.policy, codes);
+  GroupParams p;
+  if constexpr (kPlain) {
+    p = quantize_plain_group<T, kBits, kLanes>(a.src, e, lane, a.layout.numel, k, a.policy, v, codes);
+  } else {
+    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, k, v);
+    p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
+  }
   store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
   if (!kPlain && a.residual_out != nullptr) {
     // residual "local" of the sent segments: the rounding error this rank added to rs.
