@@ -866,15 +866,14 @@ __device__ __forceinline__ void group_stats_packed(const RawChunks<T>& r, int k,
   finite = is_finite(mn) && is_finite(mx);
 }
 
-// The plain entry's group (rs = x 2^k, no compensation, rotation or residual): v = rs and its codes. For
-// 16-bit x the statistics come from the packed words (group_stats_packed), before the conversion.
+// The plain entry's group (rs = x 2^k, no compensation, rotation or residual) from x's loaded words r:
+// v = rs and its codes. For 16-bit x the statistics come from the packed words (group_stats_packed),
+// before the conversion.
 template <typename T, int kBits, int kLanes>
-__device__ __forceinline__ GroupParams quantize_plain_group(const Contribution& s, int64_t e, int lane, int64_t numel,
-                                                            int k, Policy policy, float (&v)[kElemsPerThread],
-                                                            Codes<kBits>& codes) {
+__device__ __forceinline__ GroupParams quantize_plain_group(const Contribution& s, const RawChunks<T>& r, int64_t e,
+                                                            int lane, int k, Policy policy,
+                                                            float (&v)[kElemsPerThread], Codes<kBits>& codes) {
   if constexpr (sizeof(T) == 2) {
-    RawChunks<T> r;
-    load_contribution_x<T, kLanes>(s, e, lane, numel, r);
     float mn, mx;
     bool finite;
     group_stats_packed<T, kLanes>(r, k, mn, mx, finite);
@@ -883,17 +882,22 @@ __device__ __forceinline__ GroupParams quantize_plain_group(const Contribution& 
     codes = encode<kBits>(v, p, policy);
     return p;
   } else {
-    contribution<T, kLanes, true>(s, e, lane, numel, k, v);
+    contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v);
     return quantize_group<kBits, kLanes>(v, policy, lane, codes);
   }
 }
 
-// (group within the row, lane) of this thread under grid_of_rows.
+// Groups per block and item under grid_of_rows.
 template <int kLanes>
+constexpr int kGroupsPerBlockItem = kThreadsPerBlock / kLanes;
+
+// (group within the row, lane) of this thread's first item under grid_of_rows<kLanes, kItems>: a block
+// covers kItems consecutive runs of kGroupsPerBlockItem groups; item i of a thread is its first group plus
+// i kGroupsPerBlockItem.
+template <int kLanes, int kItems = 1>
 __device__ __forceinline__ int64_t group_in_row(int& lane) {
-  const int64_t tid = int64_t(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
-  lane = static_cast<int>(tid % kLanes);
-  return tid / kLanes;
+  lane = static_cast<int>(threadIdx.x % kLanes);
+  return int64_t(blockIdx.x) * (kItems * kGroupsPerBlockItem<kLanes>) + threadIdx.x / kLanes;
 }
 
 // The host-side invariants of a Contribution (the binding checks them with clearer messages first).
@@ -915,12 +919,15 @@ inline unsigned num_blocks(int64_t num_threads) {
   return static_cast<unsigned>(blocks < 1 ? 1 : blocks);
 }
 
-// Grid of `rows` rows (blockIdx.y: a segment) of `groups` groups each (blockIdx.x), kLanes lanes per group:
-// the segment comes from the block row, so no thread divides by the group count.
-template <int kLanes>
+// Grid of `rows` rows (blockIdx.y: a segment) of `groups` groups each (blockIdx.x), kLanes lanes per group,
+// kItems groups per thread (group_in_row): the segment comes from the block row, so no thread divides by
+// the group count.
+template <int kLanes, int kItems = 1>
 inline dim3 grid_of_rows(int64_t groups, int rows) {
   ECHO_HOST_ASSERT(rows >= 1 && rows <= 65535, "launch too large");
-  return dim3(num_blocks(groups * kLanes), static_cast<unsigned>(rows), 1u);
+  constexpr int64_t kPerBlock = int64_t(kItems) * kGroupsPerBlockItem<kLanes>;
+  const int64_t blocks = (groups + kPerBlock - 1) / kPerBlock;
+  return dim3(num_blocks(blocks * kThreadsPerBlock), static_cast<unsigned>(rows), 1u);
 }
 
 }  // namespace detail

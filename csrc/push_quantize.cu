@@ -8,35 +8,65 @@ namespace {
 
 using namespace detail;
 
-// Two instantiations per configuration: the plain entry (no compensation, rotation or residual), which is
-// latency-bound and needs 40 registers, and the full one (64), bound by the bytes of the state it reads
-// (benchmarks/RESULTS.md). Sharing one instantiation held the plain entry at the full one's registers.
-template <typename T, int kBits, int kGroupSize, bool kPlain>
-__global__ void ECHO_KERNEL_BOUNDS(4) push_quantize_kernel(const PushQuantizeArgs a) {
-  constexpr int kLanes = kGroupSize / kElemsPerThread;
-  int lane;
-  const int64_t item = group_in_row<kLanes>(lane);  // one group of a sent segment; its lanes share it
-  if (item >= a.num_groups) return;                 // whole groups leave together
-  const int row = static_cast<int>(blockIdx.y);     // rows are the P - 1 sent segments
-  const int seg = row < a.rank ? row : row + 1;
-  const int64_t gi = a.group_begin + item;
-  const int64_t seg_numel = a.layout.groups_per_segment * kGroupSize;
-  const int64_t e = int64_t(seg) * seg_numel + gi * kGroupSize;  // the group's first element (padded tensor)
+// Two instantiations per configuration: the plain entry (no compensation, rotation or residual) and the
+// full one (64 registers), bound by the bytes of the state it reads (benchmarks/RESULTS.md). Sharing one
+// instantiation held the plain entry at the full one's registers.
+//
+// Groups per thread of the plain entry with 16-bit x (ECHO_ENTRY_ITEMS, 1 or 2): with 2, a thread issues
+// the loads of x for both its groups before it works on the first, so that the second's are in flight
+// meanwhile (the plain entry waits on its loads once its instructions are few, benchmarks/RESULTS.md).
+#ifndef ECHO_ENTRY_ITEMS
+#define ECHO_ENTRY_ITEMS 1
+#endif
+static_assert(ECHO_ENTRY_ITEMS == 1 || ECHO_ENTRY_ITEMS == 2, "ECHO_ENTRY_ITEMS is 1 or 2");
+template <typename T, bool kPlain>
+constexpr int kEntryItems = (kPlain && sizeof(T) == 2) ? ECHO_ENTRY_ITEMS : 1;
 
-  const int k = pow2_exponent(a.pow2_amax);
-  float v[kElemsPerThread];
-  Codes<kBits> codes;
-  GroupParams p;
-  if constexpr (kPlain) {
-    p = quantize_plain_group<T, kBits, kLanes>(a.src, e, lane, a.layout.numel, k, a.policy, v, codes);
-  } else {
-    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, k, v);
-    p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
+// Two groups per thread hold both groups' words: 48 registers (5 blocks per SM) instead of 40 (6).
+template <typename T, bool kPlain>
+constexpr int entry_min_blocks() { return kEntryItems<T, kPlain> == 2 ? 5 : 4; }
+
+template <typename T, int kBits, int kGroupSize, bool kPlain>
+__global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantize_kernel(const PushQuantizeArgs a) {
+  constexpr int kLanes = kGroupSize / kElemsPerThread;
+  constexpr int kItems = kEntryItems<T, kPlain>;
+  int lane;
+  const int64_t first = group_in_row<kLanes, kItems>(lane);  // groups of a sent segment; their lanes share them
+  if (first >= a.num_groups) return;                         // whole groups leave together
+  const int row = static_cast<int>(blockIdx.y);              // rows are the P - 1 sent segments
+  const int seg = row < a.rank ? row : row + 1;
+  const int64_t seg_first = int64_t(seg) * a.layout.groups_per_segment * kGroupSize + a.group_begin * kGroupSize;
+
+  RawChunks<T> raw[kItems];
+#pragma unroll
+  for (int it = 0; it < kItems; ++it) {
+    const int64_t item = first + it * kGroupsPerBlockItem<kLanes>;
+    if (item < a.num_groups) {
+      load_contribution_x<T, kLanes>(a.src, seg_first + item * kGroupSize, lane, a.layout.numel, raw[it]);
+    }
   }
-  store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
-  if (!kPlain && a.residual_out != nullptr) {
-    // residual "local" of the sent segments: the rounding error this rank added to rs.
-    store_local_residual<kBits, kLanes>(a.residual_out + e, lane, codes, p, v, k);
+  const int k = pow2_exponent(a.pow2_amax);
+
+#pragma unroll
+  for (int it = 0; it < kItems; ++it) {
+    const int64_t item = first + it * kGroupsPerBlockItem<kLanes>;
+    if (item >= a.num_groups) break;
+    const int64_t gi = a.group_begin + item;
+    const int64_t e = seg_first + item * kGroupSize;  // the group's first element (padded tensor)
+    float v[kElemsPerThread];
+    Codes<kBits> codes;
+    GroupParams p;
+    if constexpr (kPlain) {
+      p = quantize_plain_group<T, kBits, kLanes>(a.src, raw[it], e, lane, k, a.policy, v, codes);
+    } else {
+      contribution_from_raw<T, kLanes>(a.src, raw[it], e, lane, k, v);
+      p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
+    }
+    store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
+    if (!kPlain && a.residual_out != nullptr) {
+      // residual "local" of the sent segments: the rounding error this rank added to rs.
+      store_local_residual<kBits, kLanes>(a.residual_out + e, lane, codes, p, v, k);
+    }
   }
 }
 
@@ -53,10 +83,12 @@ void launch_push_quantize(const PushQuantizeArgs& a, cudaStream_t stream) {
   ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, (void)kWorld);  // raises for unsupported P
   ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
-    const dim3 grid = grid_of_rows<kLanes>(a.num_groups, a.layout.world_size - 1);
+    const int rows = a.layout.world_size - 1;
     if (is_plain(a.src, a.residual_out)) {
+      const dim3 grid = grid_of_rows<kLanes, kEntryItems<T, true>>(a.num_groups, rows);
       push_quantize_kernel<T, kBits, kGroup, true><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     } else {
+      const dim3 grid = grid_of_rows<kLanes, kEntryItems<T, false>>(a.num_groups, rows);
       push_quantize_kernel<T, kBits, kGroup, false><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     }
     ECHO_CHECK(cudaGetLastError());
