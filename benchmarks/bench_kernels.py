@@ -21,6 +21,7 @@ Rows:
   entry+corr           ... with the fused compensator reading a precomputed correction c
   entry+rot            ... with the Hadamard rotation, no compensation
   entry+sym            ... with the symmetric quantizer (its parameters cost a fraction of the zero-aware ones)
+  entry+naive          ... with the naive asymmetric (min/max) quantizer, the kind DeepSpeed's is
   entry+comp+rot+local ... all of it, residual "local" (writes u of the sent segments)
   pow2_amax            max |x| (backward rescaling)
   owner_reduce         P - 1 copies + the own segment formed from x -> reduced codes
@@ -53,8 +54,8 @@ P = 4
 G_SIZE = 128
 # Every row the benchmark can time, in table order (the docstring says what each is).
 ROWS = ("copy", "ds_quantize", "ds_dequantize", "entry", "entry+comp", "entry+corr", "entry+rot", "entry+sym",
-        "entry+comp+rot+local", "pow2_amax", "owner_reduce", "owner_reduce+corr", "dequantize", "dequantize+rot",
-        "update_output", "update_local", "torch_compensator")
+        "entry+naive", "entry+comp+rot+local", "pow2_amax", "owner_reduce", "owner_reduce+corr", "dequantize",
+        "dequantize+rot", "update_output", "update_local", "torch_compensator")
 
 
 def parse_bytes(s: str) -> int:
@@ -250,6 +251,7 @@ def main():
         add("entry+corr", entry(correction=corr), base + 4 * sent)
         add("entry+rot", entry(spec=spec_rot), base)
         add("entry+sym", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="symmetric")), base)
+        add("entry+naive", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="naive")), base)
         add("entry+comp+rot+local", entry(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, residual_out=resid),
             base + 12 * sent)
         add("pow2_amax", lambda: E.pow2_amax(x, amax, world_size=P, spec=spec), 2 * n)

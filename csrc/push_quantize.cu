@@ -14,9 +14,11 @@ using namespace detail;
 //
 // Groups per thread of the plain entry with 16-bit x (ECHO_ENTRY_ITEMS, 1 or 2): with 2, a thread issues
 // the loads of x for both its groups before it works on the first, so that the second's are in flight
-// meanwhile (the plain entry waits on its loads once its instructions are few, benchmarks/RESULTS.md).
+// meanwhile. With few instructions left the plain entry waits on its loads (ncu: a third of the stall
+// samples on the first use of x), and 2 measured 5-6% faster than 1 from 256 MB up
+// (benchmarks/RESULTS.md, 2026-12-03 16:12 UTC); -DECHO_ENTRY_ITEMS=1 builds the other for comparison.
 #ifndef ECHO_ENTRY_ITEMS
-#define ECHO_ENTRY_ITEMS 1
+#define ECHO_ENTRY_ITEMS 2
 #endif
 static_assert(ECHO_ENTRY_ITEMS == 1 || ECHO_ENTRY_ITEMS == 2, "ECHO_ENTRY_ITEMS is 1 or 2");
 template <typename T, bool kPlain>
