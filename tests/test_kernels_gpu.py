@@ -163,10 +163,40 @@ def ref_contribution(x, layout, spec, comp_mode, pow2, gen):
     return (r * 2.0**k if k else r), k, dict(kw, pow2_amax=amax)
 
 
-def entry_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, gen):
+def plant_specials(x: torch.Tensor, layout, rank: int) -> None:
+    """Groups 1-6 of the first segment the entry sends (x in place, whole groups only): a NaN, +inf and
+    -inf group; the dtype's extremes (largest finite of both signs and the smallest subnormal); signed
+    zeros only; a constant negative group. The plain entry takes 16-bit statistics on packed pairs, so these
+    reach its NaN propagation, the negated maximum and the zero signs."""
+    g, S = layout.group_size, layout.segment_numel
+    seg = 1 if rank == 0 else 0
+    fi = torch.finfo(x.dtype)
+    for n, kind in enumerate(("nan", "inf", "-inf", "extremes", "zeros", "constant"), start=1):
+        start = seg * S + n * g
+        if start + g > x.numel():
+            break
+        t = x[start:start + g]
+        if kind == "nan":
+            t[g // 3] = float("nan")
+        elif kind == "inf":
+            t[0] = float("inf")
+        elif kind == "-inf":
+            t[g - 1] = float("-inf")
+        elif kind == "extremes":
+            t[0], t[1], t[2] = fi.max, -fi.max, fi.tiny * fi.eps
+        elif kind == "zeros":
+            t.zero_()
+            t[1::2] = -0.0
+        else:
+            t.fill_(-3.0)
+
+
+def entry_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, gen, specials=False):
     g = spec.group_size
     layout = C.Layout(numel, P, g)
     x = random_input(numel, g, dtype, gen)
+    if specials:
+        plant_specials(x, layout, rank)
     padded, S = layout.padded_numel, layout.segment_numel
     rs, k, kw = ref_contribution(x, layout, spec, comp_mode, pow2, gen)
     others = [j for j in range(P) if j != rank]
@@ -212,14 +242,15 @@ PLAIN_CASES = list(itertools.product(DTYPES, BITS, POLICIES, GROUP_SIZES))
                          ids=[f"{str(d)[6:]}-b{b}-{p}-g{g}" for d, b, p, g in PLAIN_CASES])
 def test_push_quantize_plain(ops, dtype, bits, policy, g):
     """The plain entry (no compensation, rotation or residual: its own instantiation) for every dtype, bit
-    width, quantizer and group size."""
+    width, quantizer and group size; non-finite and extreme groups where pow2 is off (a non-finite amax
+    gives k = 0)."""
     i = PLAIN_CASES.index((dtype, bits, policy, g))
     gen = torch.Generator(device=dev()).manual_seed(3000 + i)
     P = WORLD_SIZES[i % 4]
     spec = QuantSpec(bits=bits, group_size=g, policy=policy)
     numel = P * g * (40 + i % 5) - (i * 37) % (P * g) + 1  # a few blocks per segment, a ragged end
     entry_case(ops, P=P, rank=(i * 3) % P, dtype=dtype, spec=spec, numel=numel, comp_mode="none", local=False,
-               pow2=(i % 2 == 1), gen=gen)
+               pow2=(i % 2 == 1), gen=gen, specials=(i % 2 == 0))
 
 
 @pytest.mark.parametrize("numel", [1, 7, 1000, 100_003, 4_000_037])
