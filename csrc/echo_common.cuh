@@ -791,12 +791,12 @@ __device__ __forceinline__ void contribution_from_raw(const Contribution& s, con
     for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], up);
   }
 }
-template <typename T, int kLanes, bool kPlain = false>
+template <typename T, int kLanes>
 __device__ __forceinline__ void contribution(const Contribution& s, int64_t e, int lane, int64_t numel, int k,
                                              float (&v)[kElemsPerThread]) {
   RawChunks<T> r;
   load_contribution_x<T, kLanes>(s, e, lane, numel, r);
-  contribution_from_raw<T, kLanes, kPlain>(s, r, e, lane, k, v);
+  contribution_from_raw<T, kLanes>(s, r, e, lane, k, v);
 }
 
 // min, max and the finite flag of rs = x 2^k over the group's lanes, from the packed words of 16-bit x
@@ -805,26 +805,21 @@ __device__ __forceinline__ void contribution(const Contribution& s, int64_t e, i
 // x 2^k rounds monotonically, so min(x 2^k) = min(x) 2^k (and likewise max; NaN and infinity carry
 // through the product, and a zero's sign does not reach the codes, tests/test_kernels_gpu.py).
 template <typename T>
-struct PairOf;
+struct PairOf;  // the two-element type of T (__hmin2_nan / __hmax2_nan are overloaded for both)
 template <>
 struct PairOf<__half> {
   using type = __half2;
-  static __device__ __forceinline__ type min_nan(type a, type b) { return __hmin2_nan(a, b); }
-  static __device__ __forceinline__ type max_nan(type a, type b) { return __hmax2_nan(a, b); }
 };
 template <>
 struct PairOf<__nv_bfloat16> {
   using type = __nv_bfloat162;
-  static __device__ __forceinline__ type min_nan(type a, type b) { return __hmin2_nan(a, b); }
-  static __device__ __forceinline__ type max_nan(type a, type b) { return __hmax2_nan(a, b); }
 };
 
 template <typename T, int kLanes>
 __device__ __forceinline__ void group_stats_packed(const RawChunks<T>& r, int k, float& mn, float& mx,
                                                    bool& finite) {
   static_assert(sizeof(T) == 2, "packed statistics are for 16-bit x");
-  using Pair = PairOf<T>;
-  using T2 = typename Pair::type;
+  using T2 = typename PairOf<T>::type;
   const auto as_pair = [](uint32_t w) {
     T2 t;
     memcpy(&t, &w, sizeof(t));
@@ -842,19 +837,19 @@ __device__ __forceinline__ void group_stats_packed(const RawChunks<T>& r, int k,
 #pragma unroll
     for (int j = 0; j < RawChunks<T>::kWords; ++j) {
       if (c == 0 && j == 0) continue;
-      lo = Pair::min_nan(lo, as_pair(r.w[c][j]));
-      hi = Pair::max_nan(hi, as_pair(r.w[c][j]));
+      lo = __hmin2_nan(lo, as_pair(r.w[c][j]));
+      hi = __hmax2_nan(hi, as_pair(r.w[c][j]));
     }
   }
   // (min, -max): the low halves of lo and hi against their high halves, the max side negated.
   const uint32_t lo_bits = bits_of(lo);
   const uint32_t hi_bits = bits_of(hi);
-  T2 m = Pair::min_nan(as_pair(__byte_perm(lo_bits, hi_bits, 0x5410) ^ 0x80000000u),
-                       as_pair(__byte_perm(lo_bits, hi_bits, 0x7632) ^ 0x80000000u));
+  T2 m = __hmin2_nan(as_pair(__byte_perm(lo_bits, hi_bits, 0x5410) ^ 0x80000000u),
+                     as_pair(__byte_perm(lo_bits, hi_bits, 0x7632) ^ 0x80000000u));
   const unsigned mask = group_mask<kLanes>();
 #pragma unroll
   for (int o = kLanes / 2; o > 0; o /= 2) {
-    m = Pair::min_nan(m, as_pair(__shfl_xor_sync(mask, bits_of(m), o)));
+    m = __hmin2_nan(m, as_pair(__shfl_xor_sync(mask, bits_of(m), o)));
   }
   mn = word_to_f32<T>(bits_of(m), 0);
   mx = -word_to_f32<T>(bits_of(m), 1);
@@ -866,25 +861,20 @@ __device__ __forceinline__ void group_stats_packed(const RawChunks<T>& r, int k,
   finite = is_finite(mn) && is_finite(mx);
 }
 
-// The plain entry's group (rs = x 2^k, no compensation, rotation or residual) from x's loaded words r:
-// v = rs and its codes. For 16-bit x the statistics come from the packed words (group_stats_packed),
-// before the conversion.
+// The plain entry's group (rs = x 2^k, no compensation, rotation or residual) of 16-bit x from its loaded
+// words r: the statistics from the packed words (group_stats_packed), before the conversion; then v = rs
+// and its codes.
 template <typename T, int kBits, int kLanes>
 __device__ __forceinline__ GroupParams quantize_plain_group(const Contribution& s, const RawChunks<T>& r, int64_t e,
                                                             int lane, int k, Policy policy,
                                                             float (&v)[kElemsPerThread], Codes<kBits>& codes) {
-  if constexpr (sizeof(T) == 2) {
-    float mn, mx;
-    bool finite;
-    group_stats_packed<T, kLanes>(r, k, mn, mx, finite);
-    contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v);
-    const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy, lane);
-    codes = encode<kBits>(v, p, policy);
-    return p;
-  } else {
-    contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v);
-    return quantize_group<kBits, kLanes>(v, policy, lane, codes);
-  }
+  float mn, mx;
+  bool finite;
+  group_stats_packed<T, kLanes>(r, k, mn, mx, finite);
+  contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v);
+  const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy, lane);
+  codes = encode<kBits>(v, p, policy);
+  return p;
 }
 
 // Groups per block and item under grid_of_rows.

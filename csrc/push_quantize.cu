@@ -58,10 +58,10 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantiz
     float v[kElemsPerThread];
     Codes<kBits> codes;
     GroupParams p;
-    if constexpr (kPlain) {
+    if constexpr (kPlain && sizeof(T) == 2) {
       p = quantize_plain_group<T, kBits, kLanes>(a.src, raw[it], e, lane, k, a.policy, v, codes);
     } else {
-      contribution_from_raw<T, kLanes>(a.src, raw[it], e, lane, k, v);
+      contribution_from_raw<T, kLanes, kPlain>(a.src, raw[it], e, lane, k, v);
       p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
     }
     store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
