@@ -147,13 +147,11 @@ const float* opt_scalar(const OptTensor& t, const char* name) {
   return t->data_ptr<float>();
 }
 
-// r' = rotate(x) + c of this rank (echo::Contribution) for a call laid out as l.
+// r' = rotate(x) + c of this rank (echo::Contribution); x is checked by the caller and l is its layout.
 echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
                                      const OptTensor& correction, const std::vector<double>& coeffs,
                                      const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                                      const Layout& l) {
-  check_tensor(x, "x");
-  TORCH_CHECK(x.numel() == l.numel, "x has ", x.numel(), " elements, the call ", l.numel);
   const int64_t padded = echo::padded_numel(l);
   TORCH_CHECK(present(m1) == present(m2), "m1 and m2 come together");
   TORCH_CHECK(!(present(m1) && present(correction)), "pass the state (m1, m2) or the correction, not both");
