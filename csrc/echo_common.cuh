@@ -871,8 +871,8 @@ __device__ __forceinline__ GroupParams quantize_plain_group(const Contribution& 
   float mn, mx;
   bool finite;
   group_stats_packed<T, kLanes>(r, k, mn, mx, finite);
-  contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v);
   const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy, lane);
+  contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v);
   codes = encode<kBits>(v, p, policy);
   return p;
 }

@@ -12,21 +12,26 @@ using namespace detail;
 // full one (64 registers), bound by the bytes of the state it reads (benchmarks/RESULTS.md). Sharing one
 // instantiation held the plain entry at the full one's registers.
 //
-// Groups per thread of the plain entry with 16-bit x (ECHO_ENTRY_ITEMS, 1 or 2): with 2, a thread issues
-// the loads of x for both its groups before it works on the first, so that the second's are in flight
-// meanwhile. With few instructions left the plain entry waits on its loads (ncu: a third of the stall
-// samples on the first use of x), and 2 measured 5-6% faster than 1 from 256 MB up
-// (benchmarks/RESULTS.md, 2026-12-03 16:12 UTC); -DECHO_ENTRY_ITEMS=1 builds the other for comparison.
+// Groups per thread of the plain entry with 16-bit x (ECHO_ENTRY_ITEMS, 1 to 8): a thread works through
+// its groups in order and issues the loads of x for the next group before it works on the current one
+// (two buffers), so that one group's loads are in flight while the thread computes. With few instructions
+// left the plain entry waits on its loads (ncu: a third of the stall samples on the first use of x), and
+// 2 measured 5-6% faster than 1 from 256 MB up (benchmarks/RESULTS.md, 2026-12-03 16:12 UTC); with 2 the
+// last group's computation has no loads behind it, with more a smaller share of it.
+// -DECHO_ENTRY_ITEMS=N builds another for comparison.
 #ifndef ECHO_ENTRY_ITEMS
 #define ECHO_ENTRY_ITEMS 2
 #endif
-static_assert(ECHO_ENTRY_ITEMS == 1 || ECHO_ENTRY_ITEMS == 2, "ECHO_ENTRY_ITEMS is 1 or 2");
+static_assert(ECHO_ENTRY_ITEMS >= 1 && ECHO_ENTRY_ITEMS <= 8, "ECHO_ENTRY_ITEMS is 1 to 8");
 template <typename T, bool kPlain>
 constexpr int kEntryItems = (kPlain && sizeof(T) == 2) ? ECHO_ENTRY_ITEMS : 1;
 
-// Two groups per thread hold both groups' words: 48 registers (5 blocks per SM) instead of 40 (6).
+// Two buffers of x hold two groups' words: 48 registers (5 blocks per SM) instead of 40 (6).
+#ifndef ECHO_ENTRY_MIN_BLOCKS
+#define ECHO_ENTRY_MIN_BLOCKS 5
+#endif
 template <typename T, bool kPlain>
-constexpr int entry_min_blocks() { return kEntryItems<T, kPlain> == 2 ? 5 : 4; }
+constexpr int entry_min_blocks() { return kEntryItems<T, kPlain> >= 2 ? ECHO_ENTRY_MIN_BLOCKS : 4; }
 
 template <typename T, int kBits, int kGroupSize, bool kPlain>
 __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantize_kernel(const PushQuantizeArgs a) {
@@ -39,29 +44,29 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantiz
   const int seg = row < a.rank ? row : row + 1;
   const int64_t seg_first = int64_t(seg) * a.layout.groups_per_segment * kGroupSize + a.group_begin * kGroupSize;
 
-  RawChunks<T> raw[kItems];
-#pragma unroll
-  for (int it = 0; it < kItems; ++it) {
+  // Item it's words of x are in raw[it % 2]; item it + 1's loads are issued before item it is worked on.
+  // A loop of two items per trip rather than a full unroll keeps the code of a kernel at two items' size.
+  RawChunks<T> raw[2];
+  const auto load_item = [&](int it, RawChunks<T>& r) {
     const int64_t item = first + it * kGroupsPerBlockItem<kLanes>;
-    if (item < a.num_groups) {
-      load_contribution_x<T, kLanes>(a.src, seg_first + item * kGroupSize, lane, a.layout.numel, raw[it]);
+    if (it < kItems && item < a.num_groups) {
+      load_contribution_x<T, kLanes>(a.src, seg_first + item * kGroupSize, lane, a.layout.numel, r);
     }
-  }
-  const int k = pow2_exponent(a.pow2_amax);
-
-#pragma unroll
-  for (int it = 0; it < kItems; ++it) {
+  };
+  // Works on item it from r after issuing item it + 1's loads into `next`; false past the last item.
+  const auto step = [&](int it, const RawChunks<T>& r, RawChunks<T>& next, int k) {
     const int64_t item = first + it * kGroupsPerBlockItem<kLanes>;
-    if (item >= a.num_groups) break;
+    if (it >= kItems || item >= a.num_groups) return false;
+    load_item(it + 1, next);
     const int64_t gi = a.group_begin + item;
     const int64_t e = seg_first + item * kGroupSize;  // the group's first element (padded tensor)
     float v[kElemsPerThread];
     Codes<kBits> codes;
     GroupParams p;
     if constexpr (kPlain && sizeof(T) == 2) {
-      p = quantize_plain_group<T, kBits, kLanes>(a.src, raw[it], e, lane, k, a.policy, v, codes);
+      p = quantize_plain_group<T, kBits, kLanes>(a.src, r, e, lane, k, a.policy, v, codes);
     } else {
-      contribution_from_raw<T, kLanes, kPlain>(a.src, raw[it], e, lane, k, v);
+      contribution_from_raw<T, kLanes, kPlain>(a.src, r, e, lane, k, v);
       p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
     }
     store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
@@ -69,6 +74,13 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantiz
       // residual "local" of the sent segments: the rounding error this rank added to rs.
       store_local_residual<kBits, kLanes>(a.residual_out + e, lane, codes, p, v, k);
     }
+    return true;
+  };
+  load_item(0, raw[0]);
+  const int k = pow2_exponent(a.pow2_amax);
+#pragma unroll 1
+  for (int it = 0; it < kItems; it += 2) {
+    if (!step(it, raw[0], raw[1], k) || !step(it + 1, raw[1], raw[0], k)) break;
   }
 }
 
