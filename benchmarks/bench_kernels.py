@@ -22,6 +22,7 @@ Rows:
   entry+rot            ... with the Hadamard rotation, no compensation
   entry+sym            ... with the symmetric quantizer (its parameters cost a fraction of the zero-aware ones)
   entry+naive          ... with the naive asymmetric (min/max) quantizer, the kind DeepSpeed's is
+  entry+8bit           ... with 8-bit codes (zero-aware)
   entry+comp+rot+local ... all of it, residual "local" (writes u of the sent segments)
   pow2_amax            max |x| (backward rescaling)
   owner_reduce         P - 1 copies + the own segment formed from x -> reduced codes
@@ -54,7 +55,7 @@ P = 4
 G_SIZE = 128
 # Every row the benchmark can time, in table order (the docstring says what each is).
 ROWS = ("copy", "ds_quantize", "ds_dequantize", "entry", "entry+comp", "entry+corr", "entry+rot", "entry+sym",
-        "entry+naive", "entry+comp+rot+local", "pow2_amax", "owner_reduce", "owner_reduce+corr", "dequantize",
+        "entry+naive", "entry+8bit", "entry+comp+rot+local", "pow2_amax", "owner_reduce", "owner_reduce+corr", "dequantize",
         "dequantize+rot", "update_output", "update_local", "torch_compensator")
 
 
@@ -236,8 +237,8 @@ def main():
         sent = (P - 1) * S  # elements of the sent segments: the entry reads their x (and state) only
         base = 2 * sent + (P - 1) * cb
 
-        def entry(spec=spec, **kw):
-            return lambda: E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab, **kw)
+        def entry(spec=spec, out=out_tab, **kw):
+            return lambda: E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out, **kw)
 
         # Correctness at this size: the entry's first sent segment vs the reference.
         E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab)
@@ -252,6 +253,12 @@ def main():
         add("entry+rot", entry(spec=spec_rot), base)
         add("entry+sym", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="symmetric")), base)
         add("entry+naive", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="naive")), base)
+        if only is None or "entry+8bit" in only:
+            spec8 = QuantSpec(bits=8, group_size=G_SIZE, policy="zero_aware")
+            send8 = E.alloc_packets(P, layout, spec8, dev)
+            tab8 = E.packet_table([None, *send8[1:]], layout, spec8)
+            add("entry+8bit", entry(spec=spec8, out=tab8), 2 * sent + (P - 1) * (S + 4 * G))
+            send8 = tab8 = None
         add("entry+comp+rot+local", entry(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, residual_out=resid),
             base + 12 * sent)
         add("pow2_amax", lambda: E.pow2_amax(x, amax, world_size=P, spec=spec), 2 * n)

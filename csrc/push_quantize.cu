@@ -16,9 +16,11 @@ using namespace detail;
 // its groups in order and issues the loads of x for the next group before it works on the current one
 // (two buffers), so that one group's loads are in flight while the thread computes. With few instructions
 // left the plain entry waits on its loads (ncu: a third of the stall samples on the first use of x), and
-// 2 measured 5-6% faster than 1 from 256 MB up (benchmarks/RESULTS.md, 2026-12-03 16:12 UTC); with 2 the
-// last group's computation has no loads behind it, with more a smaller share of it.
-// -DECHO_ENTRY_ITEMS=N builds another for comparison.
+// 2 measured 5-6% faster than 1 from 256 MB up (benchmarks/RESULTS.md, 2026-12-03 16:12 UTC).
+// Occupancy decides the rest: two items at 40 registers (6 blocks per SM) measured 90.8% of copy at
+// 256 MB against 83.5% at 48 registers (5 blocks), and 4 or 8 items, which need 64 registers (4 blocks;
+// at 5 they spill), 72-73% (benchmarks/runs/2026-12-03_entry_prefetch_variants.txt).
+// -DECHO_ENTRY_ITEMS=N and -DECHO_ENTRY_MIN_BLOCKS=B build others for comparison.
 #ifndef ECHO_ENTRY_ITEMS
 #define ECHO_ENTRY_ITEMS 2
 #endif
@@ -26,9 +28,10 @@ static_assert(ECHO_ENTRY_ITEMS >= 1 && ECHO_ENTRY_ITEMS <= 8, "ECHO_ENTRY_ITEMS 
 template <typename T, bool kPlain>
 constexpr int kEntryItems = (kPlain && sizeof(T) == 2) ? ECHO_ENTRY_ITEMS : 1;
 
-// Two buffers of x hold two groups' words: 48 registers (5 blocks per SM) instead of 40 (6).
+// Blocks per SM the plain 16-bit entry is built for (__launch_bounds__): 6 caps it at 40 registers, which
+// two items fit without spilling because quantize_plain_group converts x only after the parameters.
 #ifndef ECHO_ENTRY_MIN_BLOCKS
-#define ECHO_ENTRY_MIN_BLOCKS 5
+#define ECHO_ENTRY_MIN_BLOCKS (ECHO_ENTRY_ITEMS == 2 ? 6 : 4)
 #endif
 template <typename T, bool kPlain>
 constexpr int entry_min_blocks() { return kEntryItems<T, kPlain> >= 2 ? ECHO_ENTRY_MIN_BLOCKS : 4; }
