@@ -23,7 +23,8 @@ Rows:
   entry+sym            ... with the symmetric quantizer (its parameters cost a fraction of the zero-aware ones)
   entry+naive          ... with the naive asymmetric (min/max) quantizer, the kind DeepSpeed's is
   entry+8bit           ... with 8-bit codes (zero-aware)
-  entry+comp+rot+local ... all of it, residual "local" (writes u of the sent segments)
+  entry+comp+local     ... with the fused compensator and residual "local" (writes u of the sent segments)
+  entry+comp+rot+local ... and the rotation: the default configuration's entry
   pow2_amax            max |x| (backward rescaling)
   owner_reduce         P - 1 copies + the own segment formed from x -> reduced codes
   owner_reduce+corr    ... the own segment formed from x and a precomputed correction c
@@ -55,8 +56,8 @@ P = 4
 G_SIZE = 128
 # Every row the benchmark can time, in table order (the docstring says what each is).
 ROWS = ("copy", "ds_quantize", "ds_dequantize", "entry", "entry+comp", "entry+corr", "entry+rot", "entry+sym",
-        "entry+naive", "entry+8bit", "entry+comp+rot+local", "pow2_amax", "owner_reduce", "owner_reduce+corr", "dequantize",
-        "dequantize+rot", "update_output", "update_local", "torch_compensator")
+        "entry+naive", "entry+8bit", "entry+comp+local", "entry+comp+rot+local", "pow2_amax", "owner_reduce",
+        "owner_reduce+corr", "dequantize", "dequantize+rot", "update_output", "update_local", "torch_compensator")
 
 
 def parse_bytes(s: str) -> int:
@@ -259,6 +260,7 @@ def main():
             tab8 = E.packet_table([None, *send8[1:]], layout, spec8)
             add("entry+8bit", entry(spec=spec8, out=tab8), 2 * sent + (P - 1) * (S + 4 * G))
             send8 = tab8 = None
+        add("entry+comp+local", entry(m1=m1, m2=m2, coeffs=coeffs, residual_out=resid), base + 12 * sent)
         add("entry+comp+rot+local", entry(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, residual_out=resid),
             base + 12 * sent)
         add("pow2_amax", lambda: E.pow2_amax(x, amax, world_size=P, spec=spec), 2 * n)
