@@ -1,8 +1,9 @@
 // Device-side building blocks shared by the stage kernels (internal to csrc/; not host-facing).
 //
 // Numerics contract (echo_ds/quant.py, echo_ds/collective.py, echo_ds/compensator.py), reproduced bit for
-// bit: fp32 arithmetic, one round-to-nearest-even per operation, no fused multiply-add. Every fp32
-// operation on values below goes through f_add/f_sub/f_mul/f_div (the _rn intrinsics are never
+// bit: fp32 arithmetic, one round-to-nearest-even per operation, no fused multiply-add (the one exception,
+// the Hadamard butterflies' multiply-add by +-1 in fwht, rounds once like the addition it replaces). Every
+// fp32 operation on values below goes through f_add/f_sub/f_mul/f_div (the _rn intrinsics are never
 // contracted), and the builder also passes -fmad=false. Min/max use fminf/fmaxf, which ignore NaN where
 // torch propagates it: each group therefore carries an explicit non-finite flag.
 //
@@ -647,12 +648,15 @@ __device__ __forceinline__ void fwht(float (&v)[kElemsPerThread], int lane) {
   const unsigned mask = group_mask<kLanes>();
 #pragma unroll
   for (int m = 1; m < kLanes; m *= 2) {
-    // The lower lane holds a, the upper b: lower a + b, upper a - b = a + (-b) (addition commutes exactly).
-    const uint32_t negate = (lane & m) != 0 ? 0x80000000u : 0u;
+    // The lower lane holds a, the upper b: lower b * 1 + a = a + b, upper b * -1 + a = a - b, as one fused
+    // multiply-add: the product by +-1 is exact, so its single rounding is the addition's (signed zeros
+    // and NaN included), and a + b = b + a exactly. (A sign flip and an addition before: one instruction
+    // more per value and stage.)
+    const float sign = (lane & m) != 0 ? -1.0f : 1.0f;
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) {
       const float other = __shfl_xor_sync(mask, v[i], m);
-      v[i] = f_add(other, flip_sign(v[i], negate));
+      v[i] = __fmaf_rn(v[i], sign, other);
     }
   }
 #pragma unroll
