@@ -2,7 +2,8 @@
 
 No GPU is needed: each .cu is compiled to an object with the flags the op builder uses
 (echo_ds/ops/builder.py) plus PyTorch's own extension flags, its PTX is kept and checked for fused
-multiply-adds (the kernels' numerics forbid them), and the torch binding is compiled against the headers
+multiply-adds (the kernels' numerics forbid them, but for products by +-1, which round once like the
+addition they are), and the torch binding is compiled against the headers
 of the installed torch package (a CPU wheel will do). The compile test skips with a reason where nvcc is
 absent; the source-list and spill-parser tests run everywhere.
 """
@@ -56,6 +57,36 @@ def _spilled_functions(log: str) -> list:
     return found
 
 
+_PTX_FUNCTION = re.compile(r"^(?:\.visible\s+|\.weak\s+)?\.(?:entry|func)\b", re.M)
+_FMA = re.compile(r"^\s*(fma\S*)\s+(%\w+),\s*(\S+),\s*(\S+),\s*(\S+);", re.M)
+_UNIT = {"0f3F800000", "0fBF800000"}  # +1.0f and -1.0f
+_UNIT_SELECT = re.compile(r"^\s*selp\.f32\s+(%\w+),\s*(0f[0-9A-F]{8}),\s*(0f[0-9A-F]{8}),\s*%p\w*;", re.M)
+
+
+def _inexact_fmas(ptx: str) -> list:
+    """Every fused multiply-add of ``ptx`` that may round differently from the separate operations: all but
+    ``fma.rn.f32`` whose multiplier is +-1.0, given as an immediate or as a register defined in its function
+    only by ``selp.f32 r, +-1.0, +-1.0, p`` (fwht's cross-lane butterflies). A product by +-1 is exact, so
+    the one rounding of the fused operation is the addition's."""
+    bad = []
+    starts = sorted({0, *(m.start() for m in _PTX_FUNCTION.finditer(ptx))}) + [len(ptx)]
+    for begin, end in zip(starts, starts[1:]):
+        body = ptx[begin:end]
+        units = {m[1] for m in _UNIT_SELECT.finditer(body) if {m[2], m[3]} <= _UNIT}
+        defined = {}  # register -> number of instructions writing it
+        for m in re.finditer(r"^\s*[a-z][\w.]*\s+(%\w+)\s*,", body, re.M):
+            defined[m[1]] = defined.get(m[1], 0) + 1
+        selects = {}
+        for m in _UNIT_SELECT.finditer(body):
+            selects[m[1]] = selects.get(m[1], 0) + 1
+        unit_regs = {r for r in units if selects.get(r) == defined.get(r)}
+        for m in _FMA.finditer(body):
+            op, _, a, b, _ = m.groups()
+            if op != "fma.rn.f32" or not ({a, b} & (_UNIT | unit_regs)):
+                bad.append(m[0].strip())
+    return bad
+
+
 def _compile(cmd, cwd):
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     return proc.returncode, proc.stdout + proc.stderr
@@ -74,7 +105,7 @@ def _torch_include_args():
 
 
 @needs_nvcc
-def test_translation_units_compile_without_fma():
+def test_translation_units_compile_exact():
     with tempfile.TemporaryDirectory() as tmp:
         jobs = []
         for name in _cuda_sources():
@@ -100,11 +131,29 @@ def test_translation_units_compile_without_fma():
             assert ptx_files, f"{name}: nvcc --keep left no PTX"
             for ptx in ptx_files:
                 text = ptx.read_text()
-                assert not re.search(r"\bfma\.", text), f"{name}: fused multiply-add in {ptx.name}"
+                inexact = _inexact_fmas(text)
+                assert not inexact, f"{name}: fused multiply-add in {ptx.name}: {inexact[:3]}"
                 assert not re.search(r"\b(mul|add|sub)\.f32\b", text), \
                     f"{name}: fp32 mul/add without an explicit rounding mode in {ptx.name} (may be contracted)"
                 assert ".ftz" not in text, f"{name}: flush-to-zero in {ptx.name}"
                 assert "div.approx" not in text and "div.full" not in text, f"{name}: approximate division"
+
+
+def test_fma_check_admits_only_products_by_unit():
+    """The fused multiply-add check itself, on hand-written PTX."""
+    head = ".visible .entry k(\n)\n{\n"
+    select = "\tselp.f32 \t%f9, 0fBF800000, 0f3F800000, %p1;\n"
+    fma = "\tfma.rn.f32 \t%f3, %f1, %f9, %f2;\n"
+    assert _inexact_fmas(head + select + fma + "}\n") == []
+    assert _inexact_fmas(head + "\tfma.rn.f32 \t%f3, %f1, 0f3F800000, %f2;\n}\n") == []
+    # a multiplier that is not +-1, a second definition of the select's register, another rounding mode,
+    # the select in another function
+    assert _inexact_fmas(head + fma + "}\n") == ["fma.rn.f32 \t%f3, %f1, %f9, %f2;"]
+    assert len(_inexact_fmas(head + "\tselp.f32 \t%f9, 0f40000000, 0f3F800000, %p1;\n" + fma + "}\n")) == 1
+    assert len(_inexact_fmas(head + select + "\tadd.rn.f32 \t%f9, %f1, %f2;\n" + fma + "}\n")) == 1
+    assert len(_inexact_fmas(head + select + fma.replace("fma.rn", "fma.rz") + "}\n")) == 1
+    assert len(_inexact_fmas(head + select + "}\n" + head + fma + "}\n")) == 1
+    assert len(_inexact_fmas(fma)) == 1  # outside any function header
 
 
 def test_spill_lines_are_recognised():
