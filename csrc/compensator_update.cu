@@ -26,7 +26,6 @@ __device__ __forceinline__ void update_state(float (&m1)[kElemsPerThread], float
 template <typename T, int kBits, int kGroupSize>
 __global__ void ECHO_KERNEL_BOUNDS(2) compensator_update_output_kernel(const CompensatorUpdateOutputArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
-  constexpr int kCodeBytes = kGroupSize * kBits / 8;
   int lane;
   const int64_t gi = group_in_row<kLanes>(lane);
   const int64_t G = a.layout.groups_per_segment;
@@ -38,8 +37,8 @@ __global__ void ECHO_KERNEL_BOUNDS(2) compensator_update_output_kernel(const Com
   load_thread<T, kLanes>(static_cast<const T*>(a.x), e, lane, a.layout.numel, aligned16(a.x), x);
   load_thread_f32<kLanes>(a.m1 + e, lane, m1);
   load_thread_f32<kLanes>(a.m2 + e, lane, m2);
-  const Codes<kBits> codes = load_codes<kBits, kLanes>(a.in.codes[seg] + gi * kCodeBytes, lane);
-  const GroupParams p = params_from_bits(a.in.scales[seg][gi], a.in.zeros[seg][gi]);
+  GroupParams p;
+  const Codes<kBits> codes = load_packet_group<kBits, kLanes>(a.in, seg, gi, lane, p);
 
   if (a.hadamard.enabled) rotate<kLanes>(x, lane, a.hadamard);
   float s_hat[kElemsPerThread];

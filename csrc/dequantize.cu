@@ -13,7 +13,6 @@ using namespace detail;
 template <typename T, int kBits, int kGroupSize, bool kRotated>
 __global__ void ECHO_KERNEL_BOUNDS(6) dequantize_kernel(const DequantizeArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
-  constexpr int kCodeBytes = kGroupSize * kBits / 8;
   int lane;
   const int64_t item = group_in_row<kLanes>(lane);
   if (item >= a.num_groups) return;
@@ -22,8 +21,8 @@ __global__ void ECHO_KERNEL_BOUNDS(6) dequantize_kernel(const DequantizeArgs a) 
   const int64_t e = int64_t(seg) * a.layout.groups_per_segment * kGroupSize + gi * kGroupSize;  // group start
   if (e >= a.layout.numel) return;  // the whole group is padding
 
-  const Codes<kBits> codes = load_codes<kBits, kLanes>(a.in.codes[seg] + gi * kCodeBytes, lane);
-  const GroupParams p = params_from_bits(a.in.scales[seg][gi], a.in.zeros[seg][gi]);
+  GroupParams p;
+  const Codes<kBits> codes = load_packet_group<kBits, kLanes>(a.in, seg, gi, lane, p);
   float v[kElemsPerThread];
   decode<kBits>(codes, p.scale, p.zero, v);
   const int k = pow2_exponent(a.pow2_amax);

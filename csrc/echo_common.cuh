@@ -232,7 +232,7 @@ __device__ __forceinline__ void pack_chunk(const float* v, uint32_t* w) {
 
 // This lane's 16 elements of T as loaded, before conversion: kChunks chunks of words. Splitting the load
 // from the conversion lets a kernel issue a load early and hold its words (half the registers of fp32 for
-// 16-bit data) until it needs the values (the plain owner reduce).
+// 16-bit data) until it needs the values (the plain entry's prefetch, the plain owner reduce).
 template <typename T>
 struct RawChunks {
   static constexpr int kWords = kChunkElems * int(sizeof(T)) / 4;
@@ -346,6 +346,10 @@ struct Codes {
   static constexpr int kWords = kElemsPerThread * kBits / 32;
   uint32_t w[kWords];
 };
+
+// Bytes of one group's codes in a packet (g b / 8): group gi's codes start gi kGroupCodeBytes in.
+template <int kBits, int kLanes>
+constexpr int kGroupCodeBytes = kLanes * kElemsPerThread * kBits / 8;
 
 template <int kBits, int kLanes>
 __device__ __forceinline__ void store_codes(uint8_t* __restrict__ group_codes, int lane, const Codes<kBits>& c) {
@@ -741,12 +745,20 @@ __device__ __forceinline__ void store_local_residual(float* __restrict__ group, 
 template <int kBits, int kLanes>
 __device__ __forceinline__ void store_packet_group(const QuantTable& t, int seg, int64_t gi, int lane,
                                                    const Codes<kBits>& codes, const GroupParams& p) {
-  constexpr int kCodeBytes = kLanes * kElemsPerThread * kBits / 8;
-  store_codes<kBits, kLanes>(t.codes[seg] + gi * kCodeBytes, lane, codes);
+  store_codes<kBits, kLanes>(t.codes[seg] + gi * kGroupCodeBytes<kBits, kLanes>, lane, codes);
   if (lane == 0) {
     t.scales[seg][gi] = p.scale_bits;
     t.zeros[seg][gi] = p.zero_bits;
   }
+}
+
+// The reverse: this lane's codes of group gi of segment seg and the group's parameters p.
+template <int kBits, int kLanes>
+__device__ __forceinline__ Codes<kBits> load_packet_group(const QuantTable& t, int seg, int64_t gi, int lane,
+                                                          GroupParams& p) {
+  const Codes<kBits> codes = load_codes<kBits, kLanes>(t.codes[seg] + gi * kGroupCodeBytes<kBits, kLanes>, lane);
+  p = params_from_bits(t.scales[seg][gi], t.zeros[seg][gi]);
+  return codes;
 }
 
 __host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

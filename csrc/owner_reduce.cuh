@@ -17,13 +17,12 @@ constexpr int owner_min_blocks(int world_size) { return world_size <= 2 ? 4 : (w
 template <typename T, int kWorld, int kBits, int kGroupSize, bool kPlain>
 __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld)) owner_reduce_kernel(const OwnerReduceArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
-  constexpr int kCodeBytes = kGroupSize * kBits / 8;
   int lane;
   const int64_t item = group_in_row<kLanes>(lane);  // one row: the owned segment
   if (item >= a.num_groups) return;
   const int64_t gi = a.group_begin + item;
   const int64_t in_seg = gi * kGroupSize;  // the group's first element in the segment
-  const int64_t code_offset = gi * kCodeBytes;
+  const int64_t code_offset = gi * kGroupCodeBytes<kBits, kLanes>;
 
   // The own rs: x's loads are issued first. The plain path keeps x as loaded (half the registers of fp32
   // for 16-bit x) and converts it at its turn in the sum; the others form rs here, so that their state

@@ -56,8 +56,10 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantiz
       load_contribution_x<T, kLanes>(a.src, seg_first + item * kGroupSize, lane, a.layout.numel, r);
     }
   };
+  load_item(0, raw[0]);
+  const int k = pow2_exponent(a.pow2_amax);
   // Works on item it from r after issuing item it + 1's loads into `next`; false past the last item.
-  const auto step = [&](int it, const RawChunks<T>& r, RawChunks<T>& next, int k) {
+  const auto step = [&](int it, const RawChunks<T>& r, RawChunks<T>& next) {
     const int64_t item = first + it * kGroupsPerBlockItem<kLanes>;
     if (it >= kItems || item >= a.num_groups) return false;
     load_item(it + 1, next);
@@ -79,11 +81,9 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantiz
     }
     return true;
   };
-  load_item(0, raw[0]);
-  const int k = pow2_exponent(a.pow2_amax);
 #pragma unroll 1
   for (int it = 0; it < kItems; it += 2) {
-    if (!step(it, raw[0], raw[1], k) || !step(it + 1, raw[1], raw[0], k)) break;
+    if (!step(it, raw[0], raw[1]) || !step(it + 1, raw[1], raw[0])) break;
   }
 }
 
