@@ -32,12 +32,15 @@ value raises :class:`EchoConfigError` with the key's dotted path, the value and 
 
 from __future__ import annotations
 
-import json
+import contextlib
+import contextvars
+import difflib
 import math
 import os
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Literal, Mapping, Optional, Union
 
-from pydantic import Field, ValidationError, field_validator
+import hjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
@@ -56,7 +59,53 @@ def _supported_bits(v: int) -> int:
     return v
 
 
-class DirectionConfig(DeepSpeedConfigModel):
+# How many section constructors are running in this thread: pydantic builds nested sections through their
+# own __init__, and only the outermost one turns the errors into one EchoConfigError with full paths.
+_depth = contextvars.ContextVar("echo_config_depth", default=0)
+
+
+class _Section(DeepSpeedConfigModel):
+    """A level of the ``"echo"`` section: strict types, unknown keys refused, errors as EchoConfigError."""
+
+    # Strict types: lax pydantic reads "0.5" as 0.5, "no" as False and True as the integer 1. Ints still
+    # pass as floats, and dicts still build nested sections.
+    model_config = ConfigDict(strict=True)
+    _key: ClassVar[str] = "echo"  # dotted key of this section, for messages
+
+    def __init__(self, **data):
+        # DeepSpeedConfigModel.__init__ silently drops every value equal to "auto" unless strict=True, and
+        # pydantic calls it for each nested section with strict left False ("gain": "auto" became the
+        # default). Skip it: every "auto" reaches validation, and a "strict" key is an unknown key.
+        with _errors(type(self)):
+            BaseModel.__init__(self, **data)
+        self._deprecated_fields_check()
+
+    def __setattr__(self, name, value):
+        with _errors(type(self)):  # assignments are validated too (validate_assignment)
+            super().__setattr__(name, value)
+
+    @classmethod
+    def model_validate(cls, obj, **kwargs):
+        with _errors(cls):
+            return super().model_validate(obj, **kwargs)
+
+
+@contextlib.contextmanager
+def _errors(model: type):
+    """The ValidationError of the outermost section being built or assigned, as one EchoConfigError."""
+    outermost = _depth.get() == 0
+    token = _depth.set(_depth.get() + 1)
+    try:
+        yield
+    except ValidationError as e:
+        if not outermost:
+            raise
+        raise EchoConfigError(_describe(e, model)) from None
+    finally:
+        _depth.reset(token)
+
+
+class DirectionConfig(_Section):
     """Compensator of one pass direction (equations 10-11 of the paper).
 
     compensate: apply the error feedback at all.
@@ -66,6 +115,8 @@ class DirectionConfig(DeepSpeedConfigModel):
     residual: ``"output"`` is the paper's u_i = x'_i - y/P; ``"local"`` feeds each rank its own rounding
         error, u_i = -e_i (bounded state, see echo_ds.compensator).
     """
+
+    _key: ClassVar[str] = "echo.<direction>"
 
     compensate: bool = True
     gain: float = Field(0.75, ge=0.0, le=1.0)
@@ -79,17 +130,23 @@ class ForwardConfig(DirectionConfig):
     """Forward-pass compensator. Its gain defaults to 1.0 (docs/accuracy.md: with the rotation and the
     "local" residual, gain 1.0 beat 0.75 at every group size measured)."""
 
+    _key: ClassVar[str] = "echo.forward"
+
     gain: float = Field(1.0, ge=0.0, le=1.0)
 
 
 class BackwardConfig(DirectionConfig):
     """Backward-pass compensator plus the exact power-of-two gradient rescaling (section 5.4)."""
 
+    _key: ClassVar[str] = "echo.backward"
+
     pow2_rescale: bool = True
 
 
-class EarlySitesConfig(DeepSpeedConfigModel):
+class EarlySitesConfig(_Section):
     """The first ``fraction`` of the forward sites of each pass use ``bits`` (early-site 8-bit)."""
+
+    _key: ClassVar[str] = "echo.early_sites"
 
     bits: int = 8
     fraction: float = Field(0.0, ge=0.0, le=1.0)
@@ -97,7 +154,7 @@ class EarlySitesConfig(DeepSpeedConfigModel):
     _bits = field_validator("bits")(classmethod(lambda cls, v: _supported_bits(v)))
 
 
-class EchoConfig(DeepSpeedConfigModel):
+class EchoConfig(_Section):
     """The whole ``"echo"`` section. Construct from keywords, a dict, or :meth:`from_ds_config`."""
 
     enabled: bool = True
@@ -112,13 +169,6 @@ class EchoConfig(DeepSpeedConfigModel):
     min_message_bytes: int = Field(0, ge=0)
     telemetry: bool = False
     quantize_lm_head: bool = False
-
-    def __init__(self, strict: bool = True, **data):
-        # DeepSpeed's models drop values equal to "auto" unless strict; "auto" is a real backend here.
-        try:
-            super().__init__(strict=strict, **data)
-        except ValidationError as e:
-            raise EchoConfigError(_describe(e)) from None
 
     _bits = field_validator("bits")(classmethod(lambda cls, v: _supported_bits(v)))
 
@@ -135,12 +185,13 @@ class EchoConfig(DeepSpeedConfigModel):
     def from_ds_config(cls, ds_config: Union[str, os.PathLike, Mapping[str, Any]]) -> "EchoConfig":
         """The ``"echo"`` section of a ds_config (a path to a JSON file or a dict).
 
-        A missing section gives ``enabled=False``. A mapping without an ``"echo"`` key whose keys are all
-        fields of the section is read as a bare section.
+        A file is read as DeepSpeed reads it (:func:`read_ds_config`). Without an ``"echo"`` key, a mapping
+        whose keys all are (or nearly are) fields of the section is read as a bare section, so a misspelt
+        key is refused rather than disabling Echo; one where only some are is refused; otherwise (a
+        ds_config without the section) the result has ``enabled=False``.
         """
         if isinstance(ds_config, (str, os.PathLike)):
-            with open(ds_config) as f:
-                ds_config = json.load(f)
+            ds_config = read_ds_config(ds_config)
         if not isinstance(ds_config, Mapping):
             raise EchoConfigError(f"a ds_config must be a path or a mapping, got {type(ds_config).__name__}")
         if ECHO_KEY in ds_config:
@@ -148,9 +199,15 @@ class EchoConfig(DeepSpeedConfigModel):
             if not isinstance(section, Mapping):
                 raise EchoConfigError(f"echo: must be an object, got {section!r}")
             return cls(**section)
-        if ds_config and set(ds_config) <= set(cls.model_fields):
-            return cls(**ds_config)
-        return cls(enabled=False)
+        for key in ds_config:
+            if _close(key, [ECHO_KEY]):
+                raise EchoConfigError(f"{key}={ds_config[key]!r}: unknown key, did you mean \"echo\"?")
+        ours = [k for k in ds_config if k in cls.model_fields or _close(k, cls.model_fields)]
+        if ours and len(ours) < len(ds_config):
+            raise EchoConfigError(
+                "the ds_config has no \"echo\" section but has keys of one at its top level ("
+                + ", ".join(f"{k}={ds_config[k]!r}" for k in ours) + "): move them into \"echo\": {...}")
+        return cls(**ds_config) if ours else cls(enabled=False)
 
     def quant_spec(self, bits: Optional[int] = None) -> QuantSpec:
         """The quantizer settings of one call (``bits`` overrides the section's, e.g. early sites)."""
@@ -168,24 +225,81 @@ class EchoConfig(DeepSpeedConfigModel):
         return self.forward if direction == "forward" else self.backward
 
 
-def _model_at(path) -> type:
-    model = EchoConfig
+def read_ds_config(path: Union[str, os.PathLike]) -> dict:
+    """A ds_config file read as ``deepspeed.DeepSpeedConfig`` reads it: hjson, so comments (``//``,
+    ``#``, ``/* */``) are allowed, and duplicate keys refused. Every error names the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = hjson.load(f, object_pairs_hook=_refuse_duplicates)
+    except ValueError as e:  # hjson's decode errors, duplicates, bad UTF-8
+        raise EchoConfigError(f"{os.fspath(path)}: {e}") from None
+    if not isinstance(data, Mapping):
+        raise EchoConfigError(f"{os.fspath(path)}: a ds_config must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _refuse_duplicates(pairs) -> dict:
+    # DeepSpeed refuses duplicate keys too (dict_raise_error_on_duplicate_keys); plain json keeps the last.
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} (values {out[key]!r} and {value!r})")
+        out[key] = value
+    return out
+
+
+def check_flag(where: str, name: str, value, optional: bool = False):
+    """``value`` if it is a bool (or None when ``optional``), else TypeError: bool("no") is True."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    raise TypeError(f"{where}: {name}={value!r} must be {'None, ' if optional else ''}True or False")
+
+
+def check_count(where: str, name: str, value) -> int:
+    """``value`` if it is an int >= 0 (not a bool), else TypeError / ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: {name}={value!r} must be an int >= 0")
+    if value < 0:
+        raise ValueError(f"{where}: {name}={value!r} must be >= 0")
+    return value
+
+
+def _close(key, names) -> list:
+    # One wrong, missing or extra letter in a name of 4+ letters scores >= 0.75; difflib's default 0.6
+    # would take DeepSpeed's own "quantize_training" (0.69) for a misspelt "quantizer".
+    return difflib.get_close_matches(str(key), list(names), n=1, cutoff=0.75)
+
+
+def _model_at(model: type, path) -> type:
     for part in path:
         field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation,
-                                                                                     DeepSpeedConfigModel):
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, _Section):
             break
         model = field.annotation
     return model
 
 
-def _describe(err: ValidationError) -> str:
+def _allowed(err: dict, model: type) -> str:
+    loc = err["loc"]
+    if err["type"] == "extra_forbidden":
+        fields = _model_at(model, loc[:-1]).model_fields
+        hint = _close(loc[-1], fields)
+        return ("unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                + "; allowed keys: " + ", ".join(fields))
+    msg = err["msg"].removeprefix("Value error, ")
+    # A type error alone does not say the range: add the field's bounds (e.g. a gain in [0, 1]).
+    field = _model_at(model, loc[:-1]).model_fields.get(str(loc[-1])) if loc else None
+    if err["type"].endswith("_type") and field is not None:
+        bounds = [f"{op} {getattr(m, attr)}" for m in field.metadata
+                  for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if hasattr(m, attr)]
+        if bounds:
+            msg += " (" + ", ".join(bounds) + ")"
+    return msg
+
+
+def _describe(err: ValidationError, model: type) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "echo"
-        allowed = e["msg"]
-        if e["type"] == "extra_forbidden":
-            allowed = "unknown key; allowed keys: " + ", ".join(_model_at(e["loc"][:-1]).model_fields)
-        value = e.get("input")
-        lines.append(f"echo.{key}={value!r}: {allowed}")
+        key = ".".join([model._key] + [str(p) for p in e["loc"]])
+        lines.append(f"{key}={e.get('input')!r}: {_allowed(e, model)}")
     return "invalid \"echo\" config: " + "; ".join(lines)

@@ -99,6 +99,15 @@ class QuantSpec:
     rotation: bool = False
 
     def __post_init__(self):
+        # Types first: True is an int and 4.0 == 4, and any non-empty string (even "none") is truthy.
+        for name in ("bits", "group_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"QuantSpec: {name}={value!r} must be an int")
+        if not isinstance(self.policy, str):
+            raise TypeError(f"QuantSpec: policy={self.policy!r} must be one of {POLICIES}")
+        if not isinstance(self.rotation, bool):
+            raise TypeError(f"QuantSpec: rotation={self.rotation!r} must be True or False")
         check_quant_args(self.bits, self.group_size, self.policy)
 
     def wire_bytes(self, numel: int) -> int:

@@ -81,3 +81,163 @@ def test_quant_spec_and_site_bits():
     assert [EchoConfig().bits_for_site(i, 4) for i in range(4)] == [4, 4, 4, 4]
     full = EchoConfig(early_sites={"fraction": 1.0})
     assert all(full.bits_for_site(i, 5) == 8 for i in range(5))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Misuse: every level refuses ill-typed values ("auto" included), the message naming key, value, allowed.
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("section, key, value, allowed", [
+    # DeepSpeed's models drop "auto" unless strict, and pydantic builds nested sections with strict off.
+    ({"forward": {"gain": "auto"}}, "echo.forward.gain", "'auto'", "valid number (>= 0.0, <= 1.0)"),
+    ({"backward": {"slow_decay": "auto"}}, "echo.backward.slow_decay", "'auto'", "valid number (>= 0.0, < 1.0)"),
+    ({"early_sites": {"fraction": "auto"}}, "echo.early_sites.fraction", "'auto'", "valid number"),
+    ({"early_sites": {"bits": "auto"}}, "echo.early_sites.bits", "'auto'", "valid integer"),
+    ({"bits": "auto"}, "echo.bits", "'auto'", "valid integer"),
+    ({"min_message_bytes": "auto"}, "echo.min_message_bytes", "'auto'", "valid integer (>= 0)"),
+    # Strings, bools and floats are not coerced.
+    ({"backward": {"blend": "0.5"}}, "echo.backward.blend", "'0.5'", "valid number"),
+    ({"group_size": "128"}, "echo.group_size", "'128'", "valid integer"),
+    ({"group_size": 128.5}, "echo.group_size", "128.5", "valid integer"),  # (hjson reads 128.0 as 128)
+    ({"bits": True}, "echo.bits", "True", "valid integer"),
+    ({"forward": {"gain": True}}, "echo.forward.gain", "True", "valid number"),
+    ({"forward": {"compensate": "no"}}, "echo.forward.compensate", "'no'", "valid boolean"),
+    ({"backward": {"pow2_rescale": 1}}, "echo.backward.pow2_rescale", "1", "valid boolean"),
+    ({"telemetry": "true"}, "echo.telemetry", "'true'", "valid boolean"),
+    ({"forward": "off"}, "echo.forward", "'off'", "valid dictionary"),
+    # "strict" is not a way around the checks, at any level.
+    ({"strict": False}, "echo.strict", "False", "unknown key"),
+    ({"early_sites": {"strict": False}}, "echo.early_sites.strict", "False", "unknown key"),
+    # Unknown keys suggest the close one.
+    ({"group_sise": 64}, "echo.group_sise", "64", "did you mean 'group_size'?"),
+    ({"backward": {"pow2_rescal": True}}, "echo.backward.pow2_rescal", "True", "did you mean 'pow2_rescale'?"),
+])
+def test_ill_typed_values_refused_at_every_level(section, key, value, allowed, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"echo": section}))
+    for build in (lambda: EchoConfig(**section), lambda: EchoConfig.from_ds_config(path)):
+        with pytest.raises(EchoConfigError) as e:
+            build()
+        msg = str(e.value)
+        assert f"{key}={value}" in msg and allowed in msg, msg
+
+
+def test_sections_and_assignments_checked_on_their_own():
+    from echo_ds.config import ForwardConfig
+
+    with pytest.raises(EchoConfigError, match=r"echo\.forward\.gain='auto': Input should be a valid number"):
+        ForwardConfig(gain="auto")
+    cfg = EchoConfig()
+    with pytest.raises(EchoConfigError, match=r"echo\.bits='8': Input should be a valid integer"):
+        cfg.bits = "8"
+    with pytest.raises(EchoConfigError, match=r"echo\.forward\.blend=2: Input should be less than or equal to 1"):
+        cfg.forward.blend = 2
+    assert cfg.bits == 4 and cfg.forward.blend == 0.35
+
+
+@pytest.mark.parametrize("ds, match", [
+    ({"bitz": 4}, r"echo\.bitz=4: unknown key \(did you mean 'bits'\?\)"),
+    ({"enable": True, "bits": 8}, r"echo\.enable=True: unknown key \(did you mean 'enabled'\?\)"),
+    ({"bits": 8, "forward": {"gian": 1.0}}, r"echo\.forward\.gian=1\.0: unknown key \(did you mean 'gain'\?\)"),
+    ({"train_batch_size": 8, "bits": 4}, r"no \"echo\" section but has keys of one at its top level \(bits=4\)"),
+    ({"train_batch_size": 8, "ecoh": {"bits": 4}}, r"ecoh=\{'bits': 4\}: unknown key, did you mean \"echo\"\?"),
+])
+def test_bare_section_with_misspelt_key_is_refused(ds, match):
+    with pytest.raises(EchoConfigError, match=match):
+        EchoConfig.from_ds_config(ds)
+
+
+@pytest.mark.parametrize("ds", [
+    {},
+    {"train_batch_size": 8, "fp16": {"enabled": True}, "zero_optimization": {"stage": 1, "sub_group_size": 1e9},
+     "tensor_parallel": {"autotp_size": 2}, "gradient_clipping": 1.0, "steps_per_print": 10,
+     "quantize_training": {"enabled": False}, "compile": {"backend": "inductor"}},
+])
+def test_ds_config_without_echo_section_is_off(ds):
+    assert not EchoConfig.from_ds_config(ds).enabled
+
+
+def test_files_read_as_deepspeed_reads_them(tmp_path):
+    readme = (tmp_path / "readme.json")
+    # The README's own example: // comments, and DeepSpeed (hjson) also takes # and /* */.
+    readme.write_text('{"train_batch_size": 8, # batch\n "echo": {\n  "bits": 8,      // 4 or 8\n'
+                      '  /* hadamard or none */ "rotation": "none",\n  "backend": "auto"\n }\n}\n')
+    cfg = EchoConfig.from_ds_config(readme)
+    assert (cfg.bits, cfg.rotation, cfg.backend) == (8, "none", "auto")
+    assert not EchoConfig.from_ds_config(_write(tmp_path, "empty.json", "")).enabled
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"echo": {"bits": 4, "bits": 8}}', r"duplicate key 'bits' \(values 4 and 8\)"),
+    ('{"echo": {"forward": {"gain": 1, "gain": 0.5}}}', r"duplicate key 'gain' \(values 1 and 0\.5\)"),
+    ('{"echo": {}, "echo": {"bits": 8}}', r"duplicate key 'echo'"),
+    ('{"echo": {"bits": 4,, }}', r"line 1 column"),
+    ('[{"echo": {}}]', r"must be a JSON object, got list"),
+    (b'{"echo": {"backend": "\xff"}}', r"utf-8"),
+])
+def test_file_errors_name_the_file(tmp_path, text, match):
+    path = _write(tmp_path, "my_ds.json", text)
+    with pytest.raises(EchoConfigError, match=match) as e:
+        EchoConfig.from_ds_config(str(path))
+    assert str(e.value).startswith(f"{path}: ")
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        EchoConfig.from_ds_config(tmp_path / "missing.json")
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Misuse of the public constructors and functions around the config.
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"rotation": "none"}, TypeError, r"rotation='none' must be True or False"),
+    ({"rotation": "hadamard"}, TypeError, r"rotation='hadamard' must be True or False"),
+    ({"rotation": 1}, TypeError, r"rotation=1 must be True or False"),
+    ({"bits": True}, TypeError, r"bits=True must be an int"),
+    ({"bits": 4.0}, TypeError, r"bits=4\.0 must be an int"),
+    ({"group_size": 128.0}, TypeError, r"group_size=128\.0 must be an int"),
+    ({"policy": None}, TypeError, r"policy=None must be one of"),
+    ({"bits": 3}, ValueError, r"bits=3 is not supported"),
+])
+def test_quant_spec_refuses_misuse(kwargs, error, match):
+    from echo_ds.quant import QuantSpec
+
+    with pytest.raises(error, match=match):
+        QuantSpec(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"coalesce": "no"}, TypeError, r"coalesce='no' must be True or False"),
+    ({"coalesce": None}, TypeError, r"coalesce=None must be True or False"),
+    ({"site_check_interval": -1}, ValueError, r"site_check_interval=-1 must be >= 0"),
+    ({"site_check_interval": 1.5}, TypeError, r"site_check_interval=1\.5 must be an int >= 0"),
+    ({"site_check_interval": True}, TypeError, r"site_check_interval=True must be an int >= 0"),
+    ({"telemetry": "yes"}, TypeError, r"telemetry='yes' must be (None, )?True or False"),
+    ({"quantize_lm_head": 1}, TypeError, r"quantize_lm_head=1 must be None, True or False"),
+    ({"recompute_cache": "auto"}, TypeError, r"recompute_cache='auto' must be None, True or False"),
+])
+def test_enable_and_runtime_refuse_misuse(kwargs, error, match):
+    import torch
+
+    import echo_ds.deepspeed as echo
+
+    with pytest.raises(error, match="echo_ds.enable: " + match):
+        echo.enable(torch.nn.Linear(2, 2), {"bits": 4}, **kwargs)
+    if "quantize_lm_head" not in kwargs:  # (an enable() argument only)
+        # The runtime checks before it touches the process group (none exists here).
+        with pytest.raises(error, match="EchoRuntime: " + match):
+            echo.EchoRuntime(EchoConfig(), None, "cpu", **kwargs)
+
+
+def test_runtime_refuses_a_config_that_is_not_one():
+    import echo_ds.deepspeed as echo
+
+    with pytest.raises(TypeError, match="EchoRuntime: config must be an EchoConfig, got dict"):
+        echo.EchoRuntime({"bits": 4}, None, "cpu")
+    with pytest.raises(ValueError, match="EchoRuntime: log_interval=-5 must be >= 0"):
+        echo.EchoRuntime(EchoConfig(), None, "cpu", log_interval=-5)

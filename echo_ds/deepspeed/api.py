@@ -133,6 +133,13 @@ def enable(engine, config=None, *, quantize_lm_head: Optional[bool] = None, tele
     Returns the ``EchoRuntime`` (also ``get_runtime(engine)``), or None when Echo is not enabled (no
     ``"echo"`` section, ``"enabled": false``, or no tensor-parallel layer in the model).
     """
+    from echo_ds.config import check_count, check_flag
+
+    for name, value in (("quantize_lm_head", quantize_lm_head), ("telemetry", telemetry),
+                        ("recompute_cache", recompute_cache)):
+        check_flag("echo_ds.enable", name, value, optional=True)
+    check_flag("echo_ds.enable", "coalesce", coalesce)
+    check_count("echo_ds.enable", "site_check_interval", site_check_interval)
     root, ds_dict, monitor, step_fn, log_interval = _engine_parts(engine)
     if get_runtime(root) is not None:
         raise RuntimeError("echo: this model already runs through Echo; call echo_ds.deepspeed.disable(engine) "

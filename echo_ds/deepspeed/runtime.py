@@ -192,18 +192,24 @@ class EchoRuntime:
                  site_check_interval: int = 1, recompute_cache: Optional[bool] = None, monitor=None,
                  log_interval: int = 0, step_fn: Optional[Callable[[], int]] = None):
         from echo_ds.compensator import make_compensator
+        from echo_ds.config import EchoConfig, check_count, check_flag
 
+        # Arguments first, before any collective call: bool("no") is True, and a negative interval means nothing.
+        if not isinstance(config, EchoConfig):
+            raise TypeError(f"EchoRuntime: config must be an EchoConfig, got {type(config).__name__}")
+        if step_fn is not None and not callable(step_fn):
+            raise TypeError(f"EchoRuntime: step_fn={step_fn!r} must be None or a callable")
+        self.telemetry = check_flag("EchoRuntime", "telemetry", telemetry)
+        self.coalesce = check_flag("EchoRuntime", "coalesce", coalesce)
+        self.site_check_interval = check_count("EchoRuntime", "site_check_interval", site_check_interval)
+        self.recompute_cache = check_flag("EchoRuntime", "recompute_cache", recompute_cache, optional=True)
+        self.log_interval = check_count("EchoRuntime", "log_interval", log_interval)
         self.config = config
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.device = torch.device(device)
-        self.telemetry = bool(telemetry)
-        self.coalesce = bool(coalesce)
-        self.site_check_interval = int(site_check_interval)
-        self.recompute_cache = recompute_cache
         self.monitor = monitor
-        self.log_interval = int(log_interval)
         self.step_fn = step_fn
 
         p2p_status = None
