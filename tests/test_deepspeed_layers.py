@@ -652,3 +652,142 @@ def test_one_block_gradients_within_quantizer_bound(results):
         assert 0 < b["forward_error"] <= b["forward_bound"], b
         assert 0 < b["backward_error"] <= b["backward_bound"], b
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# Outputs the model may modify in place: Falcon's new decoder (fp32), and the wrappers in every dtype
+# ----------------------------------------------------------------------------------------------------
+
+DTYPES = ("float32", "float16", "bfloat16")
+FALCON_VOCAB, FALCON_LAYERS = 256, 2
+
+
+def _falcon(seed=0):
+    """A tiny Falcon with the new decoder architecture (about 0.4 M parameters), whose decoder layer adds
+    the attention output into the MLP's row-parallel output in place (``mlp_output += attention_output``)."""
+    import torch
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(vocab_size=FALCON_VOCAB, hidden_size=128, num_hidden_layers=FALCON_LAYERS,
+                       num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True, bias=False,
+                       max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(seed)
+    return FalconForCausalLM(cfg)
+
+
+def _outputs_and_falcon(rank, world_size, shm_port):
+    import torch
+
+    import echo_ds.deepspeed as echo
+    from echo_ds.deepspeed.mappings import overlapped_column_parallel_linear, reduce_from_tensor_parallel_region
+    from test_deepspeed_engine import _ds_config
+
+    _ds_env(rank, world_size, shm_port)
+    res = {}
+
+    # The wrappers at P = 2: each output owns its memory, takes an in-place update and back-propagates.
+    net = _build()
+    rt = echo.enable(net, _cfg())
+    row = next(s for s in rt.sites if s.direction == "forward")
+    column = next(s for s in rt.sites if s.direction == "backward")
+    gen = torch.Generator().manual_seed(40 + rank)
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        x = torch.randn(BATCH, SEQ, HIDDEN, generator=gen).to(dtype).requires_grad_()
+        w = torch.randn(HIDDEN, HIDDEN, generator=gen).to(dtype).requires_grad_()
+        rt.begin_forward_pass(True)
+        y_row = reduce_from_tensor_parallel_region(x, row)
+        y_col = overlapped_column_parallel_linear(x, w, None, column)
+        owned = {k: (y._base is None, y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr(), y.dtype == dtype)
+                 for k, y in (("row", y_row), ("column", y_col))}
+        y_row += 1  # what Falcon does to its MLP output
+        y_col.mul_(2)
+        (y_row.float().sum() + y_col.float().sum()).backward()
+        res[f"owned_{name}"] = owned
+        res[f"inplace_backward_{name}"] = x.grad is not None and bool(torch.isfinite(x.grad.float()).all())
+    echo.disable(net)
+
+    # Falcon (new decoder) under AutoTP 2 through Echo, fp32: forward, backward, optimizer step.
+    tokens = torch.randint(0, FALCON_VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    model = _falcon()
+    engine, *_ = echo.initialize(model=model, model_parameters=model.parameters(),
+                                 config=_ds_config({"bits": 4, "backend": "reference"}))
+    rt = echo.get_runtime(engine)
+    res["falcon_dtype"] = str(next(engine.module.parameters()).dtype)
+    res["falcon_classes"] = {n.split(".")[-1]: type(m).__name__ for n, m in engine.module.named_modules()
+                             if n.startswith("transformer.h.0.") or n == "lm_head"}
+    losses = []
+    for step in range(2):
+        out = engine(input_ids=tokens, labels=tokens)
+        engine.backward(out.loss)
+        if step == 0:
+            params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+            res["falcon_grads"] = {
+                "missing": [n for n, p in params if p.grad is None],
+                "finite": all(bool(torch.isfinite(p.grad).all()) for _, p in params if p.grad is not None),
+                "nonzero": sum(bool(p.grad.abs().sum() > 0) for _, p in params if p.grad is not None),
+                "count": len(params),
+            }
+            before = {n: p.detach().clone() for n, p in params}
+        engine.step()
+        if step == 0:
+            res["falcon_updated"] = sum(not torch.equal(before[n], p.detach()) for n, p in params)
+        losses.append(out.loss.item())
+    res["falcon_losses"] = losses
+    res["falcon_counts"] = (rt.stats.forward_calls, rt.stats.backward_calls)
+    return res
+
+
+@pytest.fixture(scope="module")
+def falcon_results():
+    pytest.importorskip("transformers")
+    return run_distributed(_outputs_and_falcon, 2, free_port(), timeout=300)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wrapper_output_is_not_a_view_at_world_size_1(dtype):
+    # No process group: a one-rank site. The reduction is the identity, and still a tensor of its own.
+    import types
+
+    import torch
+
+    from echo_ds.deepspeed.mappings import reduce_from_tensor_parallel_region
+
+    site = types.SimpleNamespace(world_size=1)
+    x = torch.randn(3, 5, dtype=getattr(torch, dtype), requires_grad=True)
+    y = reduce_from_tensor_parallel_region(x, site)
+    assert y._base is None and y.data_ptr() != x.data_ptr() and y.dtype == x.dtype and torch.equal(y, x)
+    y += 1  # an autograd Function's output that is its input (or a view) would raise here
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wrapper_outputs_are_not_views_at_world_size_2(falcon_results, dtype):
+    for r in falcon_results:
+        # (not a view, not x's memory, x's dtype) for the row-parallel reduction and the overlapped column.
+        assert r[f"owned_{dtype}"] == {"row": (True, True, True), "column": (True, True, True)}
+        assert r[f"inplace_backward_{dtype}"]
+
+
+def test_falcon_new_decoder_trains_in_fp32(falcon_results):
+    import math
+
+    r0, r1 = falcon_results
+    for r in falcon_results:
+        assert r["falcon_dtype"] == "torch.float32"
+        classes = r["falcon_classes"]
+        # Row-parallel outputs through Echo (dense_4h_to_h's is the one the decoder adds into in place);
+        # column-parallel input gradients through Echo (the fused qkv too); the output head left to DeepSpeed.
+        assert classes["dense"] == classes["dense_4h_to_h"] == "EchoLinearAllreduce", classes
+        assert classes["dense_h_to_4h"] == "EchoLinearLayer", classes
+        assert classes["query_key_value"].startswith("Echo"), classes
+        assert not classes["lm_head"].startswith("Echo"), classes
+        g = r["falcon_grads"]
+        assert g["missing"] == [] and g["finite"] and g["nonzero"] == g["count"] > 0, g
+        assert r["falcon_updated"] == g["count"]
+        assert all(math.isfinite(v) for v in r["falcon_losses"]), r["falcon_losses"]
+        # Per layer: dense and dense_4h_to_h forward; query_key_value and dense_h_to_4h backward.
+        assert r["falcon_counts"] == (2 * 2 * FALCON_LAYERS, 2 * 2 * FALCON_LAYERS)
+    assert r0["falcon_losses"] == r1["falcon_losses"]  # every rank sees the same all-reduced outputs
+    assert r0["falcon_losses"][0] < math.log(FALCON_VOCAB) + 1

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from echo_ds.ops.builder import CSRC_DIR, EXACT_FP_NVCC_FLAGS, EchoBuilder, cxx_std, find_nvcc
+import echo_ds
+from echo_ds.ops.builder import (CSRC_DIR, EXACT_FP_NVCC_FLAGS, HEADERS, EchoBuilder, cxx_std, find_nvcc,
+                                 kernel_sources_dir)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _nvcc_args(monkeypatch, extra=None):
@@ -42,3 +47,21 @@ def test_a_chunk_size_the_layout_does_not_take_fails_to_build(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "chunks of 4, 8 or 16 elements" in proc.stdout + proc.stderr
+
+
+def test_both_builders_take_their_sources_from_one_place():
+    from echo_ds.p2p import builder as p2p
+
+    root = kernel_sources_dir()
+    assert CSRC_DIR == root and p2p.CSRC_DIR == root / "p2p"
+    if Path(echo_ds.__file__).resolve().parent == REPO / "echo_ds" and not (REPO / "echo_ds" / "_csrc").exists():
+        # A checkout (editable install): the top-level csrc/, edited in place, no copy.
+        # (An installed wheel's echo_ds/_csrc is tested by test_packaging.py.)
+        assert root == REPO / "csrc"
+    builder = EchoBuilder()
+    for path in builder.sources() + [str(CSRC_DIR / h) for h in HEADERS]:
+        assert Path(path).is_file(), path
+    assert builder.include_paths() == [str(root)]
+    for name in p2p.SOURCES + p2p.HEADERS:
+        assert (p2p.CSRC_DIR / name).is_file(), name
+    assert not any("kernel source" in m for m in builder.missing_requirements())

@@ -1,7 +1,7 @@
 """Tensor-parallel communication through Echo, in Megatron's three tiers.
 
-1. Private primitive: ``_echo_reduce(x, site)`` all-reduces through the site's runtime and returns ``x``
-   itself when the group has one rank.
+1. Private primitive: ``_echo_reduce(x, site)`` all-reduces through the site's runtime into a tensor of
+   its own (a copy of ``x`` when the group has one rank).
 2. Small ``torch.autograd.Function``s whose forward and backward are one line each (the overlapped
    column-parallel linear, which mirrors DeepSpeed's ``AsyncColumnParallel``, is the one exception: its
    backward computes the three gradients of a linear layer).
@@ -24,10 +24,23 @@ from .runtime import Site
 # ----------------------------------------------------------------------------------------------------
 
 def _echo_reduce(x: torch.Tensor, site: Site) -> torch.Tensor:
-    """Echo all-reduce of ``x`` over ``site.group``; ``x`` itself at world size 1."""
-    if site.world_size == 1:
-        return x
-    return site.runtime.reduce(x, site)
+    """Echo all-reduce of ``x`` over ``site.group`` into a tensor of its own (a copy of ``x`` at world size 1).
+
+    Never ``x`` nor a view (of ``x`` or of a buffer): an autograd Function whose output is an input or a view
+    hands the model a view that it may not modify in place (Falcon's ``mlp_output += attention_output``
+    raises "Output 0 of _ReduceFromTensorParallelRegion is a view and is being modified inplace"). The
+    reference path's result is a view of its padded segments whenever no dtype conversion copies it, i.e. in
+    fp32; a backend's result may be a view of its workspace. Those are copied here, once.
+    """
+    y = x if site.world_size == 1 else site.runtime.reduce(x, site)
+    return _own(y, x)
+
+
+def _own(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` when it owns its memory, else a contiguous copy (``y`` is ``x``, a view, or shares x's memory)."""
+    if y is x or y._base is not None or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return y.clone(memory_format=torch.contiguous_format)
+    return y
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -99,7 +112,8 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, site: Site) -> torch.Ten
 def copy_to_tensor_parallel_region(x: torch.Tensor, site: Site) -> torch.Tensor:
     """Hand a replicated input to a column-parallel layer.
 
-    forward: identity.
+    forward: identity, without a copy: the result is ``x`` or autograd's view of it, which only the layer's
+        matmul reads (the model gets the matmul's output, a tensor of its own, never this one).
     backward: Echo compressed all-reduce of the input gradient with the backward compensator state and
         the power-of-two rescaling. Column-parallel layers that consume the very same ``x`` in one forward
         (q, k and v; gate and up) get the same wrapped tensor, so autograd sums their local gradients and

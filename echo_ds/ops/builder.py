@@ -1,4 +1,4 @@
-"""DeepSpeed op builder of the Echo CUDA kernels (csrc/).
+"""DeepSpeed op builder of the Echo CUDA kernels (csrc/; in an installed package echo_ds/_csrc/).
 
 ``EchoBuilder().load()`` JIT-compiles the extension once per build directory (torch's extension cache,
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) and once per process (DeepSpeed's loaded-op
@@ -24,7 +24,24 @@ from pathlib import Path
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # echo_ds/
+
+
+def kernel_sources_dir() -> Path:
+    """Where the CUDA sources are (the root: this builder's files, and p2p/ for the transport's).
+
+    An installed package (wheel, ``pip install .``) carries them as ``echo_ds/_csrc/`` (setup.py's build_py
+    copies the repository's csrc/ there, as DeepSpeed ships its csrc); an editable install or a checkout on
+    sys.path has no copy and uses the checkout's top-level ``csrc/``. Both builders take their paths from
+    here. When neither exists the checkout path is returned, and ``missing_requirements`` names the files.
+    """
+    shipped = _PACKAGE_DIR / "_csrc"
+    if shipped.is_dir():
+        return shipped
+    return _PACKAGE_DIR.parent / "csrc"
+
+
+CSRC_DIR = kernel_sources_dir()
 
 # One translation unit per stage, plus the torch binding.
 SOURCES = (
@@ -32,7 +49,6 @@ SOURCES = (
     "owner_reduce.cu",
     "owner_reduce_plain.cu",
     "dequantize.cu",
-    "compensator_update.cu",
     "pow2_amax.cu",
     "echo_binding.cpp",
 )

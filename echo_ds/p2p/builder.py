@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 from typing import Optional, Tuple
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "p2p"
+from echo_ds.ops.builder import kernel_sources_dir
+
+CSRC_DIR = kernel_sources_dir() / "p2p"
 SOURCES = ("echo_p2p_kernels.cu",)
 HEADERS = ("echo_p2p.h",)
 KERNEL_NAMES = ("echo_p2p_begin_call_kernel", "echo_p2p_put_kernel", "echo_p2p_signal_kernel",
