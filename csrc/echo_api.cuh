@@ -5,14 +5,22 @@
 //   padded = ceil(n / (P g)) * P g       (at least one chunk; zeros appended)
 //   segment j = padded elements [j S, (j + 1) S), S = G g, G = groups_per_segment, owned by rank j
 //
-//   1. launch_push_quantize     x (+ m1, m2 or a precomputed correction c) -> r' = rotate(x) + c, rs = r' 2^k;
-//                               the non-owned segments j != i as codes + fp16 (scale, zero) into out[j].
+//   1. launch_push_quantize     x (+ the state m1, m2) -> r' = rotate(x) + c, rs = r' 2^k; the non-owned
+//                               segments j != i as codes + fp16 (scale, zero) into out[j]; residual "local":
+//                               m1, m2 of those segments updated in place from the rounding error.
 //   2. launch_owner_reduce      ordered fp32 sum over ranks 0..P-1 (own copy unquantized: rs of segment i,
 //                               formed again from the same inputs; P-1 decoded copies), requantized once
-//                               into every non-null out[d].
-//   3. launch_dequantize        codes of every segment -> s_hat 2^-k -> unrotate -> output dtype.
-//   4. launch_compensator_update_output / _local   u, then m1 and m2 in place (off the critical path).
+//                               into every non-null out[d]; residual "local": m1, m2 of segment i updated.
+//   3. launch_dequantize        codes of every segment -> s_hat 2^-k -> unrotate -> output dtype; residual
+//                               "output": m1, m2 of the segments it decodes updated from r' - s_hat / P.
 //   (launch_pow2_amax           max |r'| over this rank's padded tensor, for the power-of-two rescaling.)
+//
+// The compensator's state (echo_ds/compensator.py, "Storage") is m1 and m2 stored as bf16 and computed with
+// in fp32. Each element's state is read once per call by the pass that forms its r' (entry or owner
+// reduce) and, with residual "local", updated by that same pass from the rounding error it holds in
+// registers; with residual "output" the dequantize reads it again and updates it. No correction, residual
+// or other fp32 array is written: the state costs 8 bytes per element per call ("local"; pow2 rescaling
+// adds a read of 4 in its max pass; "output" reads it twice, 12).
 //
 // Wire format of one segment (the reference's packet, echo_ds/reference.py::_packet): codes
 // [G, g * b / 8] uint8 (4-bit: element 2k in the low nibble of byte k), then scales [G] fp16, then
@@ -64,7 +72,7 @@ static_assert(sizeof(HadamardSpec) == (kMaxGroupSize / 32 + 2) * 4, "HadamardSpe
 static_assert(offsetof(HadamardSpec, norm) == kMaxGroupSize / 8, "HadamardSpec.norm offset");
 
 // Compensator coefficients, each already rounded to fp32 (echo_ds/compensator.py, Compensator.__init__):
-// c = ((m1 * blend) + (m2 * one_minus_blend)) * gain; m = (m * decay) + (u * one_minus_decay).
+// c = ((m1 * blend) + (m2 * one_minus_blend)) * gain; m = store((m * decay) + (u * one_minus_decay)).
 struct CompensatorCoeffs {
   float gain;             // eta
   float blend;            // a
@@ -77,18 +85,16 @@ struct CompensatorCoeffs {
 static_assert(sizeof(CompensatorCoeffs) == 7 * sizeof(float), "CompensatorCoeffs must be 7 packed floats");
 
 // What a rank contributes, r' = rotate(x) + c (reference.echo_all_reduce): x and, when compensating, the
-// state (m1, m2) with its coefficients or a correction c precomputed by the update. The entry forms it for
-// the segments it sends, the owner reduce for the segment it owns: the owned segment's x and state are
-// read once either way, and no fp32 copy of it is written by the entry and read back by the reduce (8
-// bytes per owned element).
+// state (m1, m2) with its coefficients. The entry forms it for the segments it sends, the owner reduce for
+// the segment it owns: the owned segment's x and state are read once either way, and no fp32 copy of it
+// is written by the entry and read back by the reduce.
 struct Contribution {
   const void* x;  // [numel] x_dtype (16-byte alignment enables the vector path)
   DType x_dtype;
-  int32_t pad_;
-  // Compensation (at most one of the two forms; both null: none).
-  const float* m1;          // [padded] fp32 slow average, read only
-  const float* m2;          // [padded] fp32 fast average, read only
-  const float* correction;  // [padded] fp32 c precomputed by the update kernel
+  int32_t update_state;  // the stage folds this call's residual into m1, m2 in place (see each stage)
+  // Compensation (both null: none).
+  uint16_t* m1;  // [padded] bf16 bit patterns, the slow average; 16-byte aligned
+  uint16_t* m2;  // [padded] bf16 bit patterns, the fast average
   CompensatorCoeffs coeffs;
   HadamardSpec hadamard;
 };
@@ -114,6 +120,8 @@ inline int code_bytes_per_group(int group_size, int bits) { return group_size * 
 // ---------------------------------------------------------------------------------------------------
 // 1. Entry (push): groups [group_begin, group_begin + num_groups) of every segment.
 // ---------------------------------------------------------------------------------------------------
+// src.update_state (residual "local"): m1, m2 of the sent groups += u = -(e 2^-k), e the codes' rounding
+// error against rs, in place.
 struct PushQuantizeArgs {
   Layout layout;
   Contribution src;
@@ -125,13 +133,13 @@ struct PushQuantizeArgs {
   int64_t num_groups;
   const float* pow2_amax;  // device scalar: max |r'| over all ranks; null: no rescaling (k = 0)
   QuantTable out;          // out[j] for j != rank
-  float* residual_out;     // null, or [padded] fp32: u = -(e 2^-k) of the sent segments (residual "local")
 };
 void launch_push_quantize(const PushQuantizeArgs& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------
 // 2. Owner reduce: groups [group_begin, group_begin + num_groups) of the owned segment.
 // ---------------------------------------------------------------------------------------------------
+// src.update_state (residual "local"): m1, m2 of the owned groups += u = -(e 2^-k), e = s_hat_scaled - acc.
 struct OwnerReduceArgs {
   Layout layout;
   Contribution src;  // this rank's, as given to launch_push_quantize: the own copy is rs of segment rank
@@ -144,13 +152,15 @@ struct OwnerReduceArgs {
   QuantTable in;           // in[r] for r != rank: the copy rank r sent
   QuantTable out;          // every non-null out[d] receives the reduced codes
   const float* pow2_amax;  // as in PushQuantizeArgs
-  float* residual_out;     // null, or [S] fp32: u = -(e 2^-k) of the requantized segment ("local")
 };
 void launch_owner_reduce(const OwnerReduceArgs& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------
 // 3. Dequantize (gather / tail): segments [segment_begin, +num_segments), groups [group_begin, +num_groups).
 // ---------------------------------------------------------------------------------------------------
+// src: its hadamard is the inverse rotation applied to s_hat. With src.update_state (residual "output"),
+// src is this rank's contribution as the entry got it, and m1, m2 of the decoded groups (padding included)
+// += u = r' - s_hat / P in place, r' = rotate(x) + c formed again from x and the state.
 struct DequantizeArgs {
   Layout layout;
   void* out;  // [numel] out_dtype; elements past numel (padding) are not written
@@ -158,45 +168,14 @@ struct DequantizeArgs {
   int32_t bits;
   int32_t segment_begin;
   int32_t num_segments;
+  int32_t pad_;
   int64_t group_begin;
   int64_t num_groups;
   QuantTable in;  // in[j]: the reduced codes of segment j
-  HadamardSpec hadamard;
+  Contribution src;
   const float* pow2_amax;
 };
 void launch_dequantize(const DequantizeArgs& args, cudaStream_t stream);
-
-// ---------------------------------------------------------------------------------------------------
-// 4. Compensator update (meant for a side stream beside the next matrix product).
-// ---------------------------------------------------------------------------------------------------
-// residual "output": u = r' - s_hat / P, r' = rotate(x) + c(m1, m2) recomputed from x and the state,
-// s_hat decoded from the gathered codes. Then m1, m2 in place; correction_out (if set) = c of the new
-// state, for the next call's entry.
-struct CompensatorUpdateOutputArgs {
-  Layout layout;
-  const void* x;
-  DType x_dtype;
-  int32_t bits;
-  float* m1;  // [padded] fp32, in place
-  float* m2;
-  float* correction_out;  // null or [padded] fp32
-  CompensatorCoeffs coeffs;
-  QuantTable in;  // in[j]: the reduced codes of segment j, as launch_dequantize reads them
-  HadamardSpec hadamard;
-  const float* pow2_amax;
-};
-void launch_compensator_update_output(const CompensatorUpdateOutputArgs& args, cudaStream_t stream);
-
-// residual "local": u was written by launch_push_quantize (sent segments) and launch_owner_reduce (own).
-struct CompensatorUpdateLocalArgs {
-  int64_t padded_numel;  // multiple of 4
-  const float* u;
-  float* m1;
-  float* m2;
-  float* correction_out;  // null or [padded]
-  CompensatorCoeffs coeffs;
-};
-void launch_compensator_update_local(const CompensatorUpdateLocalArgs& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------
 // pow2 rescaling: amax_out = max over the padded tensor of |rotate(x) + c| (NaN if any is NaN).

@@ -40,16 +40,15 @@ void check_aligned(const at::Tensor& t, const char* name, int64_t bytes) {
               "-byte aligned (data_ptr ", t.data_ptr(), ")");
 }
 
-// An fp32 array of at least `numel` elements, 16-byte aligned (state, workspaces).
-float* f32_array(const at::Tensor& t, const char* name, int64_t numel) {
-  check_tensor(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.numel() >= numel, name, " has ", t.numel(), " elements, needs ", numel);
-  check_aligned(t, name, 16);
-  return t.data_ptr<float>();
-}
-float* opt_f32_array(const OptTensor& t, const char* name, int64_t numel) {
-  return present(t) ? f32_array(*t, name, numel) : nullptr;
+// A compensator state array (compensator.kStateDtype, bf16) of at least `numel` elements, 16-byte aligned.
+uint16_t* opt_state_array(const OptTensor& t, const char* name, int64_t numel) {
+  if (!present(t)) return nullptr;
+  check_tensor(*t, name);
+  TORCH_CHECK(t->scalar_type() == at::kBFloat16, name, " must be bfloat16 (the compensator's state), got ",
+              t->scalar_type());
+  TORCH_CHECK(t->numel() >= numel, name, " has ", t->numel(), " elements, needs ", numel);
+  check_aligned(*t, name, 16);
+  return reinterpret_cast<uint16_t*>(t->data_ptr<at::BFloat16>());
 }
 
 DType dtype_of(const at::Tensor& t, const char* name) {
@@ -148,28 +147,30 @@ const float* opt_scalar(const OptTensor& t, const char* name) {
 }
 
 // r' = rotate(x) + c of this rank (echo::Contribution); x is checked by the caller and l is its layout.
+// update_state: the stage folds its residual into m1, m2 in place.
 echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
-                                     const OptTensor& correction, const std::vector<double>& coeffs,
+                                     bool update_state, const std::vector<double>& coeffs,
                                      const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                                      const Layout& l) {
   const int64_t padded = echo::padded_numel(l);
   TORCH_CHECK(present(m1) == present(m2), "m1 and m2 come together");
-  TORCH_CHECK(!(present(m1) && present(correction)), "pass the state (m1, m2) or the correction, not both");
   TORCH_CHECK(!present(m1) || !coeffs.empty(), "compensating from the state needs coeffs");
+  TORCH_CHECK(!update_state || present(m1), "update_state needs the state (m1, m2)");
   echo::Contribution s{};
   s.x = x.data_ptr();
   s.x_dtype = dtype_of(x, "x");
-  s.m1 = opt_f32_array(m1, "m1", padded);
-  s.m2 = opt_f32_array(m2, "m2", padded);
-  s.correction = opt_f32_array(correction, "correction", padded);
+  s.update_state = update_state ? 1 : 0;
+  s.m1 = opt_state_array(m1, "m1", padded);
+  s.m2 = opt_state_array(m2, "m2", padded);
+  TORCH_CHECK(s.m1 == nullptr || (s.m1 + padded <= s.m2 || s.m2 + padded <= s.m1), "m1 and m2 must not overlap");
   s.coeffs = make_coeffs(coeffs);
   s.hadamard = make_hadamard(hadamard_signs, hadamard_norm, l.group_size);
   return s;
 }
 
-void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& correction,
+void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
                    const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
-                   const std::vector<at::Tensor>& zeros, const OptTensor& residual_out, const OptTensor& pow2_amax,
+                   const std::vector<at::Tensor>& zeros, bool update_state, const OptTensor& pow2_amax,
                    int64_t rank, int64_t world_size, int64_t group_size, int64_t bits, int64_t policy,
                    const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                    const std::vector<double>& coeffs, int64_t group_begin, int64_t num_groups, int64_t stream) {
@@ -182,7 +183,7 @@ void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2
   if (num_groups < 0) num_groups = G - group_begin;
   TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
               group_begin + num_groups, ") outside the segment's ", G);
-  a.src = make_contribution(x, m1, m2, correction, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  a.src = make_contribution(x, m1, m2, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.policy = policy_of(policy);
@@ -193,15 +194,14 @@ void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2
   for (int j = 0; j < world_size; ++j) {
     TORCH_CHECK(j == rank || a.out.codes[j] != nullptr, "push_quantize: no destination for segment ", j);
   }
-  a.residual_out = opt_f32_array(residual_out, "residual_out", echo::padded_numel(a.layout));
   echo::launch_push_quantize(a, as_stream(stream));
 }
 
-void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& correction,
+void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
                   const std::vector<at::Tensor>& in_codes, const std::vector<at::Tensor>& in_scales,
                   const std::vector<at::Tensor>& in_zeros, const std::vector<at::Tensor>& out_codes,
                   const std::vector<at::Tensor>& out_scales, const std::vector<at::Tensor>& out_zeros,
-                  const OptTensor& residual_out, const OptTensor& pow2_amax, int64_t rank, int64_t world_size,
+                  bool update_state, const OptTensor& pow2_amax, int64_t rank, int64_t world_size,
                   int64_t group_size, int64_t bits, int64_t policy, const std::vector<int64_t>& hadamard_signs,
                   double hadamard_norm, const std::vector<double>& coeffs, int64_t group_begin, int64_t num_groups,
                   int64_t stream) {
@@ -214,7 +214,7 @@ void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
   if (num_groups < 0) num_groups = G - group_begin;
   TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
               group_begin + num_groups, ") outside the segment's ", G);
-  a.src = make_contribution(x, m1, m2, correction, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  a.src = make_contribution(x, m1, m2, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.policy = policy_of(policy);
@@ -226,14 +226,15 @@ void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
   }
   a.out = make_table(out_codes, out_scales, out_zeros, a.layout, bits, "owner_reduce out");
   a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
-  a.residual_out = opt_f32_array(residual_out, "residual_out", G * group_size);
   echo::launch_owner_reduce(a, as_stream(stream));
 }
 
 void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
                 const std::vector<at::Tensor>& zeros, const OptTensor& pow2_amax, int64_t world_size,
                 int64_t group_size, int64_t bits, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
-                int64_t segment_begin, int64_t num_segments, int64_t group_begin, int64_t num_groups, int64_t stream) {
+                int64_t segment_begin, int64_t num_segments, int64_t group_begin, int64_t num_groups,
+                const OptTensor& x, const OptTensor& m1, const OptTensor& m2, const std::vector<double>& coeffs,
+                int64_t stream) {
   check_tensor(out, "out");
   check_bits(bits);
   echo::DequantizeArgs a{};
@@ -254,61 +255,27 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
   for (int64_t j = segment_begin; j < segment_begin + num_segments; ++j) {
     TORCH_CHECK(a.in.codes[j] != nullptr, "dequantize: no codes for segment ", j);
   }
-  a.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
+  // residual "output": the update of the decoded segments' state, from this rank's x as the entry had it.
+  TORCH_CHECK(present(x) == present(m1), "dequantize: the update needs x and the state (m1, m2) together");
+  if (present(x)) {
+    check_tensor(*x, "x");
+    TORCH_CHECK(x->numel() == out.numel() && x->scalar_type() == out.scalar_type(),
+                "dequantize: x must have out's numel and dtype");
+    a.src = make_contribution(*x, m1, m2, true, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  } else {
+    a.src.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
+  }
   a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
   echo::launch_dequantize(a, as_stream(stream));
 }
 
-void compensator_update_output(const at::Tensor& x, const at::Tensor& m1, const at::Tensor& m2,
-                               const OptTensor& correction_out, const std::vector<at::Tensor>& codes,
-                               const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& zeros,
-                               const OptTensor& pow2_amax, int64_t world_size, int64_t group_size, int64_t bits,
-                               const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
-                               const std::vector<double>& coeffs, int64_t stream) {
-  check_tensor(x, "x");
-  check_bits(bits);
-  echo::CompensatorUpdateOutputArgs a{};
-  a.layout = make_layout(x.numel(), world_size, group_size);
-  const int64_t padded = echo::padded_numel(a.layout);
-  a.x = x.data_ptr();
-  a.x_dtype = dtype_of(x, "x");
-  a.bits = static_cast<int32_t>(bits);
-  a.m1 = f32_array(m1, "m1", padded);
-  a.m2 = f32_array(m2, "m2", padded);
-  a.correction_out = opt_f32_array(correction_out, "correction_out", padded);
-  TORCH_CHECK(!coeffs.empty(), "the update needs coeffs");
-  a.coeffs = make_coeffs(coeffs);
-  a.in = make_table(codes, scales, zeros, a.layout, bits, "compensator_update_output in");
-  for (int j = 0; j < world_size; ++j) {
-    TORCH_CHECK(a.in.codes[j] != nullptr, "compensator_update_output: no codes for segment ", j);
-  }
-  a.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
-  a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
-  echo::launch_compensator_update_output(a, as_stream(stream));
-}
-
-void compensator_update_local(const at::Tensor& u, const at::Tensor& m1, const at::Tensor& m2,
-                              const OptTensor& correction_out, const std::vector<double>& coeffs, int64_t stream) {
-  check_tensor(u, "u");
-  echo::CompensatorUpdateLocalArgs a{};
-  a.padded_numel = u.numel();
-  TORCH_CHECK(a.padded_numel % 4 == 0, "u must have the padded length (a multiple of 4)");
-  a.u = f32_array(u, "u", a.padded_numel);
-  a.m1 = f32_array(m1, "m1", a.padded_numel);
-  a.m2 = f32_array(m2, "m2", a.padded_numel);
-  a.correction_out = opt_f32_array(correction_out, "correction_out", a.padded_numel);
-  TORCH_CHECK(!coeffs.empty(), "the update needs coeffs");
-  a.coeffs = make_coeffs(coeffs);
-  echo::launch_compensator_update_local(a, as_stream(stream));
-}
-
 void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor& m1, const OptTensor& m2,
-               const OptTensor& correction, int64_t world_size, int64_t group_size,
+               int64_t world_size, int64_t group_size,
                const std::vector<int64_t>& hadamard_signs, double hadamard_norm, const std::vector<double>& coeffs, int64_t stream) {
   check_tensor(x, "x");
   echo::Pow2AmaxArgs a{};
   a.layout = make_layout(x.numel(), world_size, group_size);
-  a.src = make_contribution(x, m1, m2, correction, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  a.src = make_contribution(x, m1, m2, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
   check_tensor(amax_out, "amax_out");
   TORCH_CHECK(amax_out.scalar_type() == at::kFloat && amax_out.numel() >= 1, "amax_out must be float32 [1]");
   a.amax_out = amax_out.data_ptr<float>();
@@ -319,30 +286,25 @@ void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor&
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.doc() = "Echo CUDA kernels (echo_ds.ops): entry, owner reduce, dequantize, compensator update, pow2 amax";
-  m.def("push_quantize", &push_quantize, py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("correction"),
-        py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("residual_out"), py::arg("pow2_amax"),
+  m.doc() = "Echo CUDA kernels (echo_ds.ops): entry, owner reduce, dequantize (the compensator's update fused), pow2 amax";
+  m.def("push_quantize", &push_quantize, py::arg("x"), py::arg("m1"), py::arg("m2"),
+        py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("update_state"), py::arg("pow2_amax"),
         py::arg("rank"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("policy"),
         py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("group_begin"),
         py::arg("num_groups"), py::arg("stream"));
-  m.def("owner_reduce", &owner_reduce, py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("correction"),
+  m.def("owner_reduce", &owner_reduce, py::arg("x"), py::arg("m1"), py::arg("m2"),
         py::arg("in_codes"), py::arg("in_scales"), py::arg("in_zeros"), py::arg("out_codes"), py::arg("out_scales"),
-        py::arg("out_zeros"), py::arg("residual_out"), py::arg("pow2_amax"), py::arg("rank"), py::arg("world_size"),
+        py::arg("out_zeros"), py::arg("update_state"), py::arg("pow2_amax"), py::arg("rank"), py::arg("world_size"),
         py::arg("group_size"), py::arg("bits"), py::arg("policy"), py::arg("hadamard_signs"),
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("group_begin"), py::arg("num_groups"),
         py::arg("stream"));
   m.def("dequantize", &dequantize, py::arg("out"), py::arg("codes"), py::arg("scales"), py::arg("zeros"),
         py::arg("pow2_amax"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"),
         py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("segment_begin"), py::arg("num_segments"),
-        py::arg("group_begin"), py::arg("num_groups"), py::arg("stream"));
-  m.def("compensator_update_output", &compensator_update_output, py::arg("x"), py::arg("m1"), py::arg("m2"),
-        py::arg("correction_out"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("pow2_amax"),
-        py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("hadamard_signs"),
-        py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
-  m.def("compensator_update_local", &compensator_update_local, py::arg("u"), py::arg("m1"), py::arg("m2"),
-        py::arg("correction_out"), py::arg("coeffs"), py::arg("stream"));
+        py::arg("group_begin"), py::arg("num_groups"), py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("coeffs"),
+        py::arg("stream"));
   m.def("pow2_amax", &pow2_amax, py::arg("x"), py::arg("amax_out"), py::arg("m1"), py::arg("m2"),
-        py::arg("correction"), py::arg("world_size"), py::arg("group_size"), py::arg("hadamard_signs"),
+        py::arg("world_size"), py::arg("group_size"), py::arg("hadamard_signs"),
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
   m.attr("kMaxWorldSize") = echo::kMaxWorldSize;
   m.attr("kMinGroupSize") = echo::kMinGroupSize;

@@ -311,31 +311,6 @@ __device__ __forceinline__ void store_thread(T* __restrict__ p, int64_t group_ba
   }
 }
 
-// fp32 arrays of padded length (the compensator state, workspaces): always whole groups and aligned;
-// `group` points at the group's first element.
-template <int kLanes>
-__device__ __forceinline__ void load_thread_f32(const float* __restrict__ group, int lane,
-                                                float (&v)[kElemsPerThread]) {
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    uint32_t w[kChunkElems];
-    load_bytes<kChunkElems * 4>(group + chunk_offset<kLanes>(lane, c), w);
-#pragma unroll
-    for (int j = 0; j < kChunkElems; ++j) v[c * kChunkElems + j] = __uint_as_float(w[j]);
-  }
-}
-template <int kLanes>
-__device__ __forceinline__ void store_thread_f32(float* __restrict__ group, int lane,
-                                                 const float (&v)[kElemsPerThread]) {
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    uint32_t w[kChunkElems];
-#pragma unroll
-    for (int j = 0; j < kChunkElems; ++j) w[j] = __float_as_uint(v[c * kChunkElems + j]);
-    store_bytes<kChunkElems * 4>(group + chunk_offset<kLanes>(lane, c), w);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Codes: 16 per thread, code of register i at bits [kBits i, kBits (i + 1)) of the words (4-bit: two
 // words, 8-bit: four). In memory, as quant.pack: byte k of a group holds element 2k in its low nibble
@@ -723,14 +698,58 @@ __device__ __forceinline__ int pow2_exponent(const float* amax_ptr) {
 // 2^k for k in [-126, 126], exactly.
 __device__ __forceinline__ float exp2_int(int k) { return __int_as_float((127 + k) << 23); }
 
-// Residual "local" of one lane (Compensator, residual "local"): u = -(e 2^-k), e = decode(codes) - v, the
-// rounding error the codes carry against the values v they quantized, scaled back when rescaling by 2^k;
-// written to the lane's elements of the fp32 group at `group`.
-template <int kBits, int kLanes>
-__device__ __forceinline__ void store_local_residual(float* __restrict__ group, int lane, const Codes<kBits>& codes,
-                                                     const GroupParams& p, const float (&v)[kElemsPerThread],
-                                                     int k) {
-  float u[kElemsPerThread];
+// The state of one lane as loaded: m1 or m2 of its 16 elements as bf16 words (compensator.kStateDtype).
+// Held as words, half the registers of fp32, from the load that forms c to the update.
+using StateWords = RawChunks<__nv_bfloat16>;
+
+// This lane's m1 and m2 of the group at element e (padded arrays: whole groups, 16-byte aligned).
+template <int kLanes>
+__device__ __forceinline__ void load_state(const Contribution& s, int64_t e, int lane, StateWords& m1, StateWords& m2) {
+  constexpr int kBytes = kChunkElems * 2;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    load_bytes<kBytes>(s.m1 + e + chunk_offset<kLanes>(lane, c), m1.w[c]);
+    load_bytes<kBytes>(s.m2 + e + chunk_offset<kLanes>(lane, c), m2.w[c]);
+  }
+}
+
+// compensator.store_state: bf16 by round-to-nearest-even; a value not finite after the rounding is +0.
+__device__ __forceinline__ uint32_t state_bits(float v) {
+  const uint32_t b = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  return (b & 0x7f80u) == 0x7f80u ? 0u : b;
+}
+
+// Compensator.update of this lane: m = store((m * decay) + (u * (1 - decay))) for m1 and m2, from the
+// words load_state gave, written back at element e.
+template <int kLanes>
+__device__ __forceinline__ void update_state(const Contribution& s, int64_t e, int lane, const StateWords& m1,
+                                             const StateWords& m2, const float (&u)[kElemsPerThread]) {
+  constexpr int kBytes = kChunkElems * 2;
+  const CompensatorCoeffs& k = s.coeffs;
+  const auto step = [](uint32_t w, int half, float decay, float u, float one_minus) {
+    return state_bits(f_add(f_mul(word_to_f32<__nv_bfloat16>(w, half), decay), f_mul(u, one_minus)));
+  };
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    uint32_t w1[StateWords::kWords], w2[StateWords::kWords];
+#pragma unroll
+    for (int j = 0; j < StateWords::kWords; ++j) {
+      const float u0 = u[c * kChunkElems + 2 * j], u1 = u[c * kChunkElems + 2 * j + 1];
+      w1[j] = step(m1.w[c][j], 0, k.slow_decay, u0, k.one_minus_slow) |
+              (step(m1.w[c][j], 1, k.slow_decay, u1, k.one_minus_slow) << 16);
+      w2[j] = step(m2.w[c][j], 0, k.fast_decay, u0, k.one_minus_fast) |
+              (step(m2.w[c][j], 1, k.fast_decay, u1, k.one_minus_fast) << 16);
+    }
+    store_bytes<kBytes>(s.m1 + e + chunk_offset<kLanes>(lane, c), w1);
+    store_bytes<kBytes>(s.m2 + e + chunk_offset<kLanes>(lane, c), w2);
+  }
+}
+
+// Residual "local" of one lane: u = -(e 2^-k), e = decode(codes) - v, the rounding error the codes carry
+// against the values v they quantized, scaled back when rescaling by 2^k.
+template <int kBits>
+__device__ __forceinline__ void local_residual(const Codes<kBits>& codes, const GroupParams& p,
+                                               const float (&v)[kElemsPerThread], int k, float (&u)[kElemsPerThread]) {
   decode<kBits>(codes, p.scale, p.zero, u);
   const float down = exp2_int(-k);
 #pragma unroll
@@ -738,7 +757,6 @@ __device__ __forceinline__ void store_local_residual(float* __restrict__ group, 
     const float err = f_sub(u[i], v[i]);
     u[i] = -(k != 0 ? f_mul(err, down) : err);
   }
-  store_thread_f32<kLanes>(group, lane, u);
 }
 
 // Group gi of segment seg of a packet table: the lanes' codes, and the parameters from the group's lane 0.
@@ -763,27 +781,22 @@ __device__ __forceinline__ Codes<kBits> load_packet_group(const QuantTable& t, i
 
 __host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// r' of one thread: rotate(x) + c, with c from the state (m1, m2) or precomputed (correction).
-// v holds x on entry; the state is loaded before the rotation so that its loads are in flight meanwhile.
-// e: the group's first element in the padded arrays.
+// r' of one thread: rotate(x) + c, c from the state (m1, m2), whose words are left in m1, m2 for the
+// update. v holds x on entry; the state is loaded before the rotation so that its loads are in flight
+// meanwhile. e: the group's first element in the padded arrays.
 template <int kLanes>
 __device__ __forceinline__ void compensated_input(float (&v)[kElemsPerThread], int lane, int64_t e,
-                                                  const HadamardSpec& h, const float* m1, const float* m2,
-                                                  const float* corr, const CompensatorCoeffs& coeffs) {
-  float c[kElemsPerThread];
-  if (m1 != nullptr) {
-    float b[kElemsPerThread];
-    load_thread_f32<kLanes>(m1 + e, lane, c);
-    load_thread_f32<kLanes>(m2 + e, lane, b);
+                                                  const Contribution& s, StateWords& m1, StateWords& m2) {
+  if (s.m1 != nullptr) load_state<kLanes>(s, e, lane, m1, m2);
+  if (s.hadamard.enabled) rotate<kLanes>(v, lane, s.hadamard);
+  if (s.m1 != nullptr) {
 #pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) c[i] = correction(c[i], b[i], coeffs);
-  } else if (corr != nullptr) {
-    load_thread_f32<kLanes>(corr + e, lane, c);
-  }
-  if (h.enabled) rotate<kLanes>(v, lane, h);
-  if (m1 != nullptr || corr != nullptr) {
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_add(v[i], c[i]);
+    for (int i = 0; i < kElemsPerThread; ++i) {
+      const int c = i / kChunkElems, j = i % kChunkElems;
+      const float a = word_to_f32<__nv_bfloat16>(m1.w[c][j / 2], j % 2);
+      const float b = word_to_f32<__nv_bfloat16>(m2.w[c][j / 2], j % 2);
+      v[i] = f_add(v[i], correction(a, b, s.coeffs));
+    }
   }
 }
 
@@ -796,11 +809,13 @@ __device__ __forceinline__ void load_contribution_x(const Contribution& s, int64
   load_raw<T, kLanes>(static_cast<const T*>(s.x), e, lane, numel, aligned16(s.x), r);
 }
 // kPlain: the caller knows there is neither compensation nor rotation (no code for them is generated).
+// m1, m2: the state's words of the group, for the caller's update (untouched without compensation).
 template <typename T, int kLanes, bool kPlain = false>
 __device__ __forceinline__ void contribution_from_raw(const Contribution& s, const RawChunks<T>& r, int64_t e,
-                                                      int lane, int k, float (&v)[kElemsPerThread]) {
+                                                      int lane, int k, float (&v)[kElemsPerThread], StateWords& m1,
+                                                      StateWords& m2) {
   unpack_raw<T>(r, v);
-  if constexpr (!kPlain) compensated_input<kLanes>(v, lane, e, s.hadamard, s.m1, s.m2, s.correction, s.coeffs);
+  if constexpr (!kPlain) compensated_input<kLanes>(v, lane, e, s, m1, m2);
   if (k != 0) {
     const float up = exp2_int(k);
 #pragma unroll
@@ -809,10 +824,10 @@ __device__ __forceinline__ void contribution_from_raw(const Contribution& s, con
 }
 template <typename T, int kLanes>
 __device__ __forceinline__ void contribution(const Contribution& s, int64_t e, int lane, int64_t numel, int k,
-                                             float (&v)[kElemsPerThread]) {
+                                             float (&v)[kElemsPerThread], StateWords& m1, StateWords& m2) {
   RawChunks<T> r;
   load_contribution_x<T, kLanes>(s, e, lane, numel, r);
-  contribution_from_raw<T, kLanes>(s, r, e, lane, k, v);
+  contribution_from_raw<T, kLanes>(s, r, e, lane, k, v, m1, m2);
 }
 
 // min, max and the finite flag of rs = x 2^k over the group's lanes, from the packed words of 16-bit x
@@ -889,7 +904,8 @@ __device__ __forceinline__ GroupParams quantize_plain_group(const Contribution& 
   bool finite;
   group_stats_packed<T, kLanes>(r, k, mn, mx, finite);
   const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy, lane);
-  contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v);
+  StateWords none;  // the plain path has no state
+  contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v, none, none);
   codes = encode<kBits>(v, p, policy);
   return p;
 }
@@ -910,15 +926,13 @@ __device__ __forceinline__ int64_t group_in_row(int& lane) {
 // The host-side invariants of a Contribution (the binding checks them with clearer messages first).
 inline void check_contribution(const Contribution& s) {
   ECHO_HOST_ASSERT(s.x != nullptr, "x is required");
-  ECHO_HOST_ASSERT(!(s.m1 != nullptr && s.correction != nullptr), "pass the state or the correction, not both");
   ECHO_HOST_ASSERT((s.m1 == nullptr) == (s.m2 == nullptr), "m1 and m2 come together");
+  ECHO_HOST_ASSERT(!s.update_state || s.m1 != nullptr, "updating the state needs the state");
+  ECHO_HOST_ASSERT(aligned16(s.m1) && aligned16(s.m2), "the state must be 16-byte aligned");
 }
 
-// The plain instantiation of a stage applies: neither compensation nor rotation (rs = x 2^k) and no
-// residual output.
-inline bool is_plain(const Contribution& s, const float* residual_out) {
-  return s.m1 == nullptr && s.correction == nullptr && s.hadamard.enabled == 0 && residual_out == nullptr;
-}
+// The plain instantiation of a stage applies: neither compensation nor rotation (rs = x 2^k).
+inline bool is_plain(const Contribution& s) { return s.m1 == nullptr && s.hadamard.enabled == 0; }
 
 inline unsigned num_blocks(int64_t num_threads) {
   const int64_t blocks = (num_threads + kThreadsPerBlock - 1) / kThreadsPerBlock;

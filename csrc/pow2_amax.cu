@@ -27,7 +27,8 @@ __global__ void ECHO_KERNEL_BOUNDS(1) pow2_amax_kernel(const Pow2AmaxArgs a) {
        item += items_per_pass) {
     const int64_t e = item * kGroupSize;  // the group's first element
     float v[kElemsPerThread];
-    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, /*k=*/0, v);
+    StateWords m1, m2;  // read only here
+    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, /*k=*/0, v, m1, m2);
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) best = max(best, __float_as_uint(fabsf(v[i])));
   }
@@ -46,6 +47,7 @@ __global__ void ECHO_KERNEL_BOUNDS(1) pow2_amax_kernel(const Pow2AmaxArgs a) {
 void launch_pow2_amax(const Pow2AmaxArgs& a, cudaStream_t stream) {
   ECHO_HOST_ASSERT(a.amax_out != nullptr, "amax_out is required");
   check_contribution(a.src);
+  ECHO_HOST_ASSERT(!a.src.update_state, "the max pass does not update the state");
   ECHO_CHECK(cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream));
   int device = 0, num_sms = 0;
   ECHO_CHECK(cudaGetDevice(&device));

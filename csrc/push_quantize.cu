@@ -1,6 +1,8 @@
 // Stage 1, entry (push): x -> r' = rotate(x) + c -> rs = r' 2^k -> codes of the non-owned segments. The
 // correction, the rotation and the statistics live in registers only; x' is never written (paper, section
-// 5.3). The owned segment is not touched: the owner reduce forms its rs from the same inputs.
+// 5.3). The owned segment is not touched: the owner reduce forms its rs from the same inputs. With residual
+// "local" the state read for c is updated in the same pass from the codes' rounding error (8 bytes per
+// element: 4 read, 4 written), so no residual array and no separate update pass exist.
 #include "echo_common.cuh"
 
 namespace echo {
@@ -8,9 +10,8 @@ namespace {
 
 using namespace detail;
 
-// Two instantiations per configuration: the plain entry (no compensation, rotation or residual) and the
-// full one (64 registers), bound by the bytes of the state it reads (benchmarks/RESULTS.md). Sharing one
-// instantiation held the plain entry at the full one's registers.
+// Two instantiations per configuration: the plain entry (no compensation or rotation) and the full one
+// (64 registers). Sharing one instantiation held the plain entry at the full one's registers.
 //
 // Groups per thread of the plain entry with 16-bit x (ECHO_ENTRY_ITEMS, 1 to 8): a thread works through
 // its groups in order and issues the loads of x for the next group before it works on the current one
@@ -68,16 +69,19 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantiz
     float v[kElemsPerThread];
     Codes<kBits> codes;
     GroupParams p;
+    StateWords m1, m2;
     if constexpr (kPlain && sizeof(T) == 2) {
       p = quantize_plain_group<T, kBits, kLanes>(a.src, r, e, lane, k, a.policy, v, codes);
     } else {
-      contribution_from_raw<T, kLanes, kPlain>(a.src, r, e, lane, k, v);
+      contribution_from_raw<T, kLanes, kPlain>(a.src, r, e, lane, k, v, m1, m2);
       p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
     }
     store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
-    if (!kPlain && a.residual_out != nullptr) {
+    if (!kPlain && a.src.update_state) {
       // residual "local" of the sent segments: the rounding error this rank added to rs.
-      store_local_residual<kBits, kLanes>(a.residual_out + e, lane, codes, p, v, k);
+      float u[kElemsPerThread];
+      local_residual<kBits>(codes, p, v, k, u);
+      update_state<kLanes>(a.src, e, lane, m1, m2, u);
     }
     return true;
   };
@@ -101,7 +105,7 @@ void launch_push_quantize(const PushQuantizeArgs& a, cudaStream_t stream) {
   ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
     const int rows = a.layout.world_size - 1;
-    if (is_plain(a.src, a.residual_out)) {
+    if (is_plain(a.src)) {
       const dim3 grid = grid_of_rows<kLanes, kEntryItems<T, true>>(a.num_groups, rows);
       push_quantize_kernel<T, kBits, kGroup, true><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     } else {

@@ -18,8 +18,6 @@ from echo_ds.ops.kernels import (  # noqa: F401
     CompensatorCoefficients,
     SegmentTable,
     alloc_packets,
-    compensator_update_local,
-    compensator_update_output,
     dequantize,
     hadamard_sign_words,
     owner_reduce,

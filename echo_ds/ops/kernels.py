@@ -184,104 +184,93 @@ def _coeffs(coeffs) -> list:
 # Stages
 # ----------------------------------------------------------------------------------------------------
 
+def _state_args(m1, m2, coeffs):
+    if (m1 is None) != (m2 is None):
+        raise ValueError("m1 and m2 come together")
+    if m1 is not None and coeffs is None:
+        raise ValueError("compensating from the state (m1, m2) needs coeffs")
+    return m1, m2, _coeffs(coeffs)
+
+
 def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, out: SegmentTable,
-                  m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
-                  correction: Optional[torch.Tensor] = None, coeffs=None,
-                  residual_out: Optional[torch.Tensor] = None, pow2_amax: Optional[torch.Tensor] = None,
+                  m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None, coeffs=None,
+                  update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
                   group_begin: int = 0, num_groups: Optional[int] = None) -> None:
     """Stage 1 (entry / push) for groups [group_begin, group_begin + num_groups) of every sent segment.
 
     x: this rank's contribution, any shape, contiguous, float32 / float16 / bfloat16 (n elements).
     out: segment table; entry j != rank receives segment j's codes and fp16 (scale, zero). The owned
         segment is not touched: owner_reduce forms it from the same x (and state).
-    m1, m2: float32 [>= padded] compensator state (read only here), or correction: float32 [>= padded],
-        a c precomputed by the update (``correction_out``); coeffs: a Compensator or its coefficients.
-    residual_out: float32 [>= padded]; residual "local": receives u = -(e 2^-k) of the sent segments.
+    m1, m2: bfloat16 [>= padded] compensator state (echo_ds.compensator.kStateDtype); coeffs: a
+        Compensator or its coefficients.
+    update_state: residual "local": fold the sent groups' rounding error into m1, m2 in place
+        (Compensator.update of those elements).
     pow2_amax: float32 [1] on the device, max |r'| over all ranks (None: no rescaling).
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
+    m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(x.device):
-        ops.push_quantize(x, m1, m2, correction, *_table_args(out, world_size, x.device), residual_out, pow2_amax,
+        ops.push_quantize(x, m1, m2, *_table_args(out, world_size, x.device), bool(update_state), pow2_amax,
                           rank, world_size, spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn,
-                          _coeffs(coeffs), group_begin, -1 if num_groups is None else num_groups, _stream(x.device))
+                          k, group_begin, -1 if num_groups is None else num_groups, _stream(x.device))
 
 
 def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, copies: SegmentTable,
                  out: SegmentTable, m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
-                 correction: Optional[torch.Tensor] = None, coeffs=None,
-                 residual_out: Optional[torch.Tensor] = None, pow2_amax: Optional[torch.Tensor] = None,
+                 coeffs=None, update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
                  group_begin: int = 0, num_groups: Optional[int] = None) -> None:
     """Stage 2 (owner reduce) for groups [group_begin, group_begin + num_groups) of the owned segment.
 
-    x, m1, m2, correction, coeffs, pow2_amax: exactly what this rank's push_quantize got; the own copy,
+    x, m1, m2, coeffs, pow2_amax: exactly what this rank's push_quantize got; the own copy,
         rs = (rotate(x) + c) 2^k of segment ``rank``, is formed here from them.
     copies: segment table; entry r != rank holds the copy rank r sent (entry rank is ignored).
     out: segment table; every non-None entry d receives the reduced segment's codes and parameters.
-    residual_out: float32 [>= S]; residual "local": receives u = -(e 2^-k) of the requantization
-        (the owned segment's slice of the full residual, i.e. residual[rank * S:]).
+    update_state: residual "local": fold the requantization error of the owned groups into m1, m2.
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
+    m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(x.device):
-        ops.owner_reduce(x, m1, m2, correction, *_table_args(copies, world_size, x.device),
-                         *_table_args(out, world_size, x.device), residual_out, pow2_amax, rank, world_size,
-                         spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn, _coeffs(coeffs), group_begin,
+        ops.owner_reduce(x, m1, m2, *_table_args(copies, world_size, x.device),
+                         *_table_args(out, world_size, x.device), bool(update_state), pow2_amax, rank, world_size,
+                         spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn, k, group_begin,
                          -1 if num_groups is None else num_groups, _stream(x.device))
 
 
 def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered: SegmentTable,
                pow2_amax: Optional[torch.Tensor] = None, segment_begin: int = 0,
                num_segments: Optional[int] = None, group_begin: int = 0,
-               num_groups: Optional[int] = None) -> None:
+               num_groups: Optional[int] = None, x: Optional[torch.Tensor] = None,
+               m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None, coeffs=None) -> None:
     """Stage 3 (gather / tail): y of segments [segment_begin, +num_segments), groups [group_begin, +num_groups).
 
     out: the result y, any shape, contiguous, float32 / float16 / bfloat16 (n elements; its numel fixes
         the layout); elements of other segments/groups are left as they are.
     gathered: segment table; entry j holds the reduced codes of segment j.
+    x, m1, m2, coeffs: residual "output": this rank's contribution as push_quantize got it (x of out's
+        dtype and numel) and its state; m1, m2 of the decoded groups are updated in place from
+        u = (rotate(x) + c) - s_hat / P (Compensator.update of those elements).
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
+    if (x is None) != (m1 is None):
+        raise ValueError("dequantize: the state update needs x and the state (m1, m2) together")
+    m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(out.device):
         ops.dequantize(out, *_table_args(gathered, world_size, out.device), pow2_amax, world_size, spec.group_size,
                        spec.bits, hs, hn, segment_begin, -1 if num_segments is None else num_segments, group_begin,
-                       -1 if num_groups is None else num_groups, _stream(out.device))
-
-
-def compensator_update_output(x: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, world_size: int,
-                              spec: QuantSpec, gathered: SegmentTable, coeffs,
-                              pow2_amax: Optional[torch.Tensor] = None,
-                              correction_out: Optional[torch.Tensor] = None) -> None:
-    """Stage 4, residual "output": u = (rotate(x) + c) - s_hat / P; m1, m2 (float32 [>= padded]) in place.
-
-    x: the same contribution the entry read; gathered: the reduced codes of every segment (as for
-    dequantize); correction_out: float32 [>= padded], receives c of the new state (for the next entry).
-    """
-    ops = _ops()
-    hs, hn = _hadamard_args(spec)
-    with torch.cuda.device(x.device):
-        ops.compensator_update_output(x, m1, m2, correction_out, *_table_args(gathered, world_size, x.device),
-                                      pow2_amax, world_size, spec.group_size, spec.bits, hs, hn, _coeffs(coeffs),
-                                      _stream(x.device))
-
-
-def compensator_update_local(u: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, *, coeffs,
-                             correction_out: Optional[torch.Tensor] = None) -> None:
-    """Stage 4, residual "local": m = m decay + u (1 - decay) in place; u float32 [padded]."""
-    ops = _ops()
-    with torch.cuda.device(u.device):
-        ops.compensator_update_local(u, m1, m2, correction_out, _coeffs(coeffs), _stream(u.device))
+                       -1 if num_groups is None else num_groups, x, m1, m2, k, _stream(out.device))
 
 
 def pow2_amax(x: torch.Tensor, amax_out: torch.Tensor, *, world_size: int, spec: QuantSpec,
-              m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
-              correction: Optional[torch.Tensor] = None, coeffs=None) -> None:
+              m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None, coeffs=None) -> None:
     """amax_out (float32 [1]) = max |rotate(x) + c| over this rank's padded tensor (NaN propagates).
 
     Reduce it over the ranks (all_reduce MAX) before handing it to the stages as ``pow2_amax``.
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
+    m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(x.device):
-        ops.pow2_amax(x, amax_out, m1, m2, correction, world_size, spec.group_size, hs, hn, _coeffs(coeffs),
-                      _stream(x.device))
+        ops.pow2_amax(x, amax_out, m1, m2, world_size, spec.group_size, hs, hn, k, _stream(x.device))

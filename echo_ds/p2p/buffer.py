@@ -18,8 +18,9 @@ records a start event; the push stream forms x' (compensation, rotation, the pow
 puts the codes of each tile into its owner's buffer, publishing a flag per tile; the reduce stream
 waits for a tile's flags, reduces and requantizes it; the gather stream puts the reduced tile to every
 peer; the tail stream waits for the owners' tiles and decodes them; the caller's stream waits for the
-ends. The compensator's update runs on a fifth stream, beside the caller's next kernels, and the next
-call's entry waits for it. The host never synchronises while tiles are in flight.
+ends. The compensator's state is updated inside those stages (echo_ds.ops: by the entry and the owner
+reduce for residual "local", by the dequantize for "output"), so a call leaves no work behind it. The
+host never synchronises while tiles are in flight.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ logger = logging.getLogger("echo_ds.p2p")
 kDefaultTileBytes = 16 * 1024 * 1024
 kDefaultMaxNumel = 1 << 26  # 64 Mi elements: a 128 MiB bf16 activation, 256 MiB in fp32
 kScheduleCacheSize = 32
-kStreams = ("push", "reduce", "gather", "tail", "update")
+kStreams = ("push", "reduce", "gather", "tail")
 
 _live_buffers: "weakref.WeakSet[EchoBuffer]" = weakref.WeakSet()
 _warned: set = set()
@@ -122,7 +123,6 @@ class EchoBuffer:
         self._schedules: "OrderedDict[object, Schedule]" = OrderedDict()
         self._streams = {}
         self._events = {}
-        self._update_pending = False
         self._num_calls = 0
         self._fault = None  # tests: (call number, "exit_after_push")
         if transport == "host":
@@ -206,7 +206,7 @@ class EchoBuffer:
     @staticmethod
     def _new_events() -> dict:
         return {name: torch.cuda.Event() for name in
-                ("start", "pushed0", "pushed1", "reduced0", "reduced1", "gather_end", "tail_end", "update")}
+                ("start", "pushed0", "pushed1", "reduced0", "reduced1", "gather_end", "tail_end")}
 
     def _load_ops(self):
         """echo_ds.ops (the fused kernels, JIT-built once), or None with the reason logged once."""
@@ -324,11 +324,6 @@ class EchoBuffer:
             torch.cuda.current_stream(self.device).synchronize()
         self.check()
 
-    def wait_update(self) -> None:
-        """Make the current stream wait for the last compensator update (before reading its state)."""
-        if self._update_pending and self.transport.kind == "cuda":
-            torch.cuda.current_stream(self.device).wait_event(self._events["update"])
-
     def would_use_p2p(self, x: torch.Tensor, spec: QuantSpec, compensator=None) -> policy.Decision:
         """The call policy for ``x`` (a pure function of its size, dtype and the group's facts)."""
         if not self.active:
@@ -364,15 +359,13 @@ class EchoBuffer:
         if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
             # NOTE: an event recorded inside a capture must never be waited on outside it (CUDA answers
             # "invalid argument", seen on the H200 at the first eager call after a replay), so a captured
-            # call records its own events; the capture joins its update into the caller's stream, so no
-            # eager call has to wait for it afterwards.
+            # call records its own events.
             eager_events, self._events = self._events, self._new_events()
             self._graph_events.append(self._events)
             try:
                 return self._p2p_all_reduce(x, spec, compensator, pow2_rescale)
             finally:
                 self._events = eager_events
-                self._update_pending = False
         return self._p2p_all_reduce(x, spec, compensator, pow2_rescale)
 
     # ------------------------------------------------------------------------------------------------
@@ -401,10 +394,7 @@ class EchoBuffer:
         if len(self._schedules) >= kScheduleCacheSize:
             victim = next((k for k, s in self._schedules.items() if not s.pinned), None)
             if victim is not None:
-                # The update stream may still read the victim's workspace.
-                if self._update_pending and caller is not None:
-                    caller.wait_event(self._events["update"])
-                del self._schedules[victim]
+                del self._schedules[victim]  # every stream of its last call has joined the caller's
         args = (key[0], spec, layout, self.rank, self.world_size, self.transport, self.tile_bytes, self.capacity,
                 self.device)
         sched = KernelSchedule(*args, ops=self._ops) if kind == "kernels" else TorchSchedule(*args)
@@ -433,15 +423,9 @@ class EchoBuffer:
         if not x.is_contiguous():
             x = x.contiguous()
         if compensator is not None:
-            shape = (self.world_size, layout.groups_per_segment, spec.group_size)
-            if self._update_pending and cuda and not capturing:
-                caller.wait_event(self._events["update"])  # before a re-allocation may free the old state
-            compensator._ensure(shape, self.device)  # allocated on the caller's stream, kept across calls
-            if cuda and not capturing:
-                for m in (compensator.m1, compensator.m2):
-                    m.record_stream(self._streams["push"])
-                    m.record_stream(self._streams["update"])
-                x.record_stream(self._streams["update"])  # the update may read x beside the caller's next work
+            # Allocated on the caller's stream and kept across calls; every stage stream that reads or
+            # writes it joins the caller's stream before the call returns, so no record_stream is needed.
+            compensator._ensure((self.world_size, layout.groups_per_segment, spec.group_size), self.device)
         sched = self._schedule(x, spec, layout, caller)
         if capturing:
             sched.pinned = True
@@ -455,8 +439,6 @@ class EchoBuffer:
             self._events["start"].record(caller)
         with self._on("push"):
             self._wait("push", "start")
-            if compensator is not None and self._update_pending and not capturing:
-                self._wait("push", "update")
             sched.entry()
         if self._fault == (self._num_calls, "exit_after_push"):
             with self._on("push"):
@@ -487,20 +469,12 @@ class EchoBuffer:
         with self._on("tail"):
             self._wait("tail", "gather_end")
             sched.exit()
+            if compensator is not None:
+                sched.update()  # the kernels updated the state in their stages; the torch stages do it here
             self._record("tail_end", "tail")
-        if compensator is not None:
-            with self._on("update"):
-                self._wait("update", "tail_end")
-                sched.update()
-                self._record("update", "update")
-            self._update_pending = cuda
         if cuda:
             caller.wait_event(self._events["pushed" + str((num_tiles - 1) % 2)])
             caller.wait_event(self._events["tail_end"])
-            if capturing and compensator is not None:
-                # A capture must join every stream it forked; the update then ends the call's graph
-                # segment instead of overlapping the caller's next kernel.
-                caller.wait_event(self._events["update"])
         else:
             self.check()
         return y

@@ -173,7 +173,6 @@ class KernelSchedule(Schedule):
         super().__init__(*args, **kw)
         self.ops = ops
         P, G, me = self.world_size, self.G, self.rank
-        self.residual = None  # u of residual "local" [padded], allocated at the first such call
         local = (torch.empty((G, self.cb), dtype=torch.uint8, device=self.device),
                  torch.empty((G,), dtype=torch.float16, device=self.device),
                  torch.empty((G,), dtype=torch.float16, device=self.device))
@@ -193,14 +192,18 @@ class KernelSchedule(Schedule):
 
     def begin(self, x, y, compensator, pow2: bool) -> None:
         self.x, self.y, self.comp, self.pow2 = x, y, compensator, pow2
+        # Where the state is updated (echo_ds.ops): by the entry and the owner reduce from the rounding
+        # error they hold (residual "local"), or by the dequantize from s_hat (residual "output").
         self.local_residual = compensator is not None and compensator.residual == "local"
-        if self.local_residual and self.residual is None:  # on the caller's stream, kept with the schedule
-            self.residual = torch.empty((self.world_size * self.G * self.spec.group_size,), dtype=torch.float32,
-                                        device=self.device)
+        self.output_residual = compensator is not None and compensator.residual == "output"
 
     def _state(self):
         c = self.comp
         return dict(m1=c.m1, m2=c.m2, coeffs=c) if c is not None else {}
+
+    def _output_update(self):
+        """The dequantize's arguments for the update of residual "output" (none otherwise)."""
+        return dict(x=self.x, **self._state()) if self.output_residual else {}
 
     def entry(self) -> None:
         if self.pow2:
@@ -210,8 +213,7 @@ class KernelSchedule(Schedule):
     def push(self, tile: int) -> None:
         g0, g1 = self.tiling.tile(tile)
         self.ops.push_quantize(self.x, rank=self.rank, world_size=self.world_size, spec=self.spec,
-                               out=self.push_out,
-                               residual_out=self.residual if self.local_residual else None,
+                               out=self.push_out, update_state=self.local_residual,
                                pow2_amax=self.amax_all if self.pow2 else None, group_begin=g0,
                                num_groups=g1 - g0, **self._state())
         self.transport.signal(self.push_signals[tile], self.stream.get("push"))
@@ -219,10 +221,8 @@ class KernelSchedule(Schedule):
     def reduce(self, tile: int) -> None:
         g0, g1 = self.tiling.tile(tile)
         self.wait_push(tile)
-        S = self.G * self.spec.group_size
         self.ops.owner_reduce(self.x, rank=self.rank, world_size=self.world_size, spec=self.spec,
-                              copies=self.reduce_in, out=self.reduce_out,
-                              residual_out=self.residual[self.rank * S:] if self.local_residual else None,
+                              copies=self.reduce_in, out=self.reduce_out, update_state=self.local_residual,
                               pow2_amax=self.amax_all if self.pow2 else None, group_begin=g0, num_groups=g1 - g0,
                               **self._state())
         self.transport.signal(self.gather_signals[tile], self.stream.get("reduce"))
@@ -231,7 +231,7 @@ class KernelSchedule(Schedule):
         g0, g1 = self.tiling.tile(tile)
         self.ops.dequantize(self.y, world_size=self.world_size, spec=self.spec, gathered=self.gathered,
                             pow2_amax=self.amax_all if self.pow2 else None, segment_begin=self.rank,
-                            num_segments=1, group_begin=g0, num_groups=g1 - g0)
+                            num_segments=1, group_begin=g0, num_groups=g1 - g0, **self._output_update())
 
     def tail(self, tile: int) -> None:
         g0, g1 = self.tiling.tile(tile)
@@ -239,20 +239,13 @@ class KernelSchedule(Schedule):
         for first, count in self.tail_ranges:
             self.ops.dequantize(self.y, world_size=self.world_size, spec=self.spec, gathered=self.gathered,
                                 pow2_amax=self.amax_all if self.pow2 else None, segment_begin=first,
-                                num_segments=count, group_begin=g0, num_groups=g1 - g0)
+                                num_segments=count, group_begin=g0, num_groups=g1 - g0, **self._output_update())
 
     def exit(self) -> None:
         pass  # dequantize wrote y
 
     def update(self) -> None:
-        c = self.comp
-        if self.local_residual:
-            self.ops.compensator_update_local(self.residual, c.m1, c.m2, coeffs=c)
-        else:
-            self.ops.compensator_update_output(self.x, c.m1, c.m2, world_size=self.world_size, spec=self.spec,
-                                               gathered=self.gathered, coeffs=c,
-                                               pow2_amax=self.amax_all if self.pow2 else None)
-        c.num_calls += 1  # as Compensator.update does
+        self.comp.num_calls += 1  # as Compensator.update does; the stages updated the state
 
 
 # ----------------------------------------------------------------------------------------------------
