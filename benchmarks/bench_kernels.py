@@ -10,28 +10,33 @@ Each time is the median (and min-max spread) over --iters CUDA-graph replays of 
 "bytes" is what a stage must move through device memory at the least (every input read once, every output
 written once); GB/s = bytes / time, "% copy" = that over the device-to-device copy bandwidth (bytes read +
 written) of a 1 GB copy measured in the same run. P = 4 ranks (one rank's share of the work), 4-bit codes,
-groups of 128, zero-aware policy, fp32 compensator state, unless a row says otherwise.
+groups of 128, zero-aware policy, bf16 compensator state (m1, m2), unless a row says otherwise.
+
+After the rows, a second table prices the compensator: per rank and call, the time its state adds to the
+passes of an uncompensated call (entry + owner reduce + dequantize, same rotation), converted to bytes per
+element of the message at the copy bandwidth of the same run. The state itself must move 8 (residual
+"local": m1 and m2 read once, written once) or 12 ("output": read again by the dequantize).
 
 Rows:
   copy                 an elementwise copy kernel over the message (torch.neg, out=; 2 x bytes)
   ds_quantize          DeepSpeed QuantizerBuilder quantize, 4-bit asymmetric, groups of 128, fp16 in
   ds_dequantize        DeepSpeed dequantize of those codes, fp16 out
   entry                Echo entry (push_quantize) without compensation
-  entry+comp           ... with the fused compensator reading the state (m1, m2)
-  entry+corr           ... with the fused compensator reading a precomputed correction c
+  entry+comp           ... with the compensator reading the state (m1, m2) (residual "output": read only)
   entry+rot            ... with the Hadamard rotation, no compensation
   entry+sym            ... with the symmetric quantizer (its parameters cost a fraction of the zero-aware ones)
   entry+naive          ... with the naive asymmetric (min/max) quantizer, the kind DeepSpeed's is
   entry+8bit           ... with 8-bit codes (zero-aware)
-  entry+comp+local     ... with the fused compensator and residual "local" (writes u of the sent segments)
+  entry+comp+local     ... with the compensator and residual "local" (the state updated in the same pass)
   entry+comp+rot+local ... and the rotation: the default configuration's entry
   pow2_amax            max |x| (backward rescaling)
   owner_reduce         P - 1 copies + the own segment formed from x -> reduced codes
-  owner_reduce+corr    ... the own segment formed from x and a precomputed correction c
+  owner_reduce+comp    ... the own segment formed from x and the state (residual "output": read only)
+  owner_reduce+rot     ... with the rotation, no compensation
+  owner_reduce+comp+rot+local  ... rotation, state read and updated: the default configuration's reduce
   dequantize           all P segments -> y (fp16)
   dequantize+rot       ... with the inverse rotation
-  update_output        compensator update, residual "output" (reads x, state, codes; writes the state)
-  update_local         compensator update, residual "local"
+  dequantize+update    ... with the compensator update of residual "output" (reads x and the state again)
   torch_compensator    the compensator as separate PyTorch ops (echo_ds.compensator): apply + update
 """
 
@@ -50,14 +55,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echo_ds import collective as C  # noqa: E402
+from echo_ds.compensator import kStateDtype  # noqa: E402
 from echo_ds.quant import QuantSpec  # noqa: E402
 
 P = 4
 G_SIZE = 128
 # Every row the benchmark can time, in table order (the docstring says what each is).
-ROWS = ("copy", "ds_quantize", "ds_dequantize", "entry", "entry+comp", "entry+corr", "entry+rot", "entry+sym",
+ROWS = ("copy", "ds_quantize", "ds_dequantize", "entry", "entry+comp", "entry+rot", "entry+sym",
         "entry+naive", "entry+8bit", "entry+comp+local", "entry+comp+rot+local", "pow2_amax", "owner_reduce",
-        "owner_reduce+corr", "dequantize", "dequantize+rot", "update_output", "update_local", "torch_compensator")
+        "owner_reduce+comp", "owner_reduce+rot", "owner_reduce+comp+rot+local", "dequantize", "dequantize+rot",
+        "dequantize+update", "torch_compensator")
+# The compensator's price (second table): (residual, uncompensated passes, compensated passes).
+COMPENSATOR_SUMS = (
+    ("local (default, rotated)", ("entry+rot", "owner_reduce+rot", "dequantize+rot"),
+     ("entry+comp+rot+local", "owner_reduce+comp+rot+local", "dequantize+rot")),
+    ("output (paper's)", ("entry", "owner_reduce", "dequantize"),
+     ("entry+comp", "owner_reduce+comp", "dequantize+update")),
+)
 
 
 def parse_bytes(s: str) -> int:
@@ -117,10 +131,9 @@ def stage_buffers(n: int, spec, dev):
     padded = layout.padded_numel
     b = types.SimpleNamespace(layout=layout, n=n)
     b.x = (torch.randn(n, device=dev) * 2.0).to(torch.float16)
-    b.m1, b.m2, b.corr, b.u = (torch.randn(padded, device=dev) * 1e-2 for _ in range(4))
+    b.m1, b.m2 = ((torch.randn(padded, device=dev) * 1e-2).to(kStateDtype) for _ in range(2))
     b.send = E.alloc_packets(P, layout, spec, dev)
     b.gathered = E.alloc_packets(P, layout, spec, dev)
-    b.resid = torch.empty(padded, device=dev)
     b.y = torch.empty(n, dtype=torch.float16, device=dev)
     b.amax = torch.empty(1, device=dev)
     b.out_tab = E.packet_table([None, *b.send[1:]], layout, spec)  # rank 0 sends segments 1 .. P-1
@@ -182,6 +195,7 @@ def main():
     big = big_out = None  # frees the 2 GB (not del: the timed lambdas above name them)
 
     rows = []
+    comp_rows = []
     sizes = []
     s = parse_bytes(args.min_bytes)
     while s <= parse_bytes(args.max_bytes):
@@ -198,8 +212,8 @@ def main():
         b = stage_buffers(n, spec, dev)
         layout = b.layout
         G, S, padded = layout.groups_per_segment, layout.segment_numel, layout.padded_numel
-        x, m1, m2, corr, u, send, gathered = b.x, b.m1, b.m2, b.corr, b.u, b.send, b.gathered
-        resid, y, amax, out_tab, gat_tab = b.resid, b.y, b.amax, b.out_tab, b.gat_tab
+        x, m1, m2, send, gathered = b.x, b.m1, b.m2, b.send, b.gathered
+        y, amax, out_tab, gat_tab = b.y, b.amax, b.out_tab, b.gat_tab
         del b
         cb = S // 2 + 4 * G  # one segment's codes + params
         results = {}
@@ -249,8 +263,7 @@ def main():
         ok = torch.equal(kc, rc) and torch.equal(ks.view(torch.int16), rsc.view(torch.int16))
         del segs, rc, rsc, rz
         add("entry", entry(), base, "bit-exact" if ok else "MISMATCH")
-        add("entry+comp", entry(m1=m1, m2=m2, coeffs=coeffs), base + 8 * sent)
-        add("entry+corr", entry(correction=corr), base + 4 * sent)
+        add("entry+comp", entry(m1=m1, m2=m2, coeffs=coeffs), base + 4 * sent)
         add("entry+rot", entry(spec=spec_rot), base)
         add("entry+sym", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="symmetric")), base)
         add("entry+naive", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="naive")), base)
@@ -260,17 +273,21 @@ def main():
             tab8 = E.packet_table([None, *send8[1:]], layout, spec8)
             add("entry+8bit", entry(spec=spec8, out=tab8), 2 * sent + (P - 1) * (S + 4 * G))
             send8 = tab8 = None
-        add("entry+comp+local", entry(m1=m1, m2=m2, coeffs=coeffs, residual_out=resid), base + 12 * sent)
-        add("entry+comp+rot+local", entry(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, residual_out=resid),
-            base + 12 * sent)
+        add("entry+comp+local", entry(m1=m1, m2=m2, coeffs=coeffs, update_state=True), base + 8 * sent)
+        add("entry+comp+rot+local", entry(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, update_state=True),
+            base + 8 * sent)
         add("pow2_amax", lambda: E.pow2_amax(x, amax, world_size=P, spec=spec), 2 * n)
         copies = E.packet_table([None, *send[1:]], layout, spec)
         owner_out = E.packet_table([gathered[0], None, None, None], layout, spec)
-        add("owner_reduce", lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec, copies=copies, out=owner_out),
-            2 * S + (P - 1) * cb + cb)
-        add("owner_reduce+corr", lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec, copies=copies,
-                                                        out=owner_out, correction=corr),
-            2 * S + 4 * S + (P - 1) * cb + cb)
+        owner_bytes = 2 * S + (P - 1) * cb + cb
+
+        def owner(spec=spec, **kw):
+            return lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec, copies=copies, out=owner_out, **kw)
+        add("owner_reduce", owner(), owner_bytes)
+        add("owner_reduce+comp", owner(m1=m1, m2=m2, coeffs=coeffs), owner_bytes + 4 * S)
+        add("owner_reduce+rot", owner(spec=spec_rot), owner_bytes)
+        add("owner_reduce+comp+rot+local", owner(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, update_state=True),
+            owner_bytes + 8 * S)
         for j in range(1, P):
             gathered[j].copy_(send[j])
         E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab)
@@ -280,9 +297,8 @@ def main():
         add("dequantize", lambda: E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab), P * cb + 2 * n,
             "bit-exact" if ok else "MISMATCH")
         add("dequantize+rot", lambda: E.dequantize(y, world_size=P, spec=spec_rot, gathered=gat_tab), P * cb + 2 * n)
-        add("update_output", lambda: E.compensator_update_output(x, m1, m2, world_size=P, spec=spec, gathered=gat_tab,
-                                                                 coeffs=coeffs), 2 * n + 16 * padded + P * cb)
-        add("update_local", lambda: E.compensator_update_local(u, m1, m2, coeffs=coeffs), 20 * padded)
+        add("dequantize+update", lambda: E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab, x=x, m1=m1, m2=m2,
+                                                      coeffs=coeffs), P * cb + 2 * n + 2 * n + 8 * padded)
 
         # The unfused compensator as PyTorch ops: apply (c, x' = x + c) before the all-reduce, update after.
         tc = Compensator(DirectionConfig())
@@ -295,25 +311,26 @@ def main():
             c = tc.correction(tc.m1.shape, dev)
             xp = torch.nn.functional.pad(xf, (0, pad)) + c
             tc.update(xp - torch.nn.functional.pad(yf, (0, pad)) / P)
-        add("torch_compensator", torch_comp, 2 * n + 16 * padded + 2 * n)
+        add("torch_compensator", torch_comp, 2 * n + 8 * padded + 2 * n)
         tc = xf = yf = None
 
-        if {"entry", "entry+comp", "entry+corr", "entry+rot", "torch_compensator", "update_output"} <= set(results):
-            added = results["entry+comp"] - results["entry"]
-            print(f"{size >> 20:6d} MB  fused compensator on the critical path: +{added:.4f} ms "
-                  f"({100 * added / results['entry']:.0f}% of the entry); with the precomputed correction: "
-                  f"+{results['entry+corr'] - results['entry']:.4f} ms; rotation: "
-                  f"+{100 * (results['entry+rot'] / results['entry'] - 1):.0f}%; unfused PyTorch compensator: "
-                  f"{results['torch_compensator']:.4f} ms, fused update (off the critical path): "
-                  f"{results['update_output']:.4f} ms")
-        x = m1 = m2 = corr = u = send = gathered = resid = y = None  # this size's buffers go
+        for residual, plain, compensated in COMPENSATOR_SUMS:
+            if set(plain + compensated) <= set(results):
+                t_plain = sum(results[r] for r in plain)
+                t_comp = sum(results[r] for r in compensated)
+                per_elem = (t_comp - t_plain) * 1e-3 * copy_bw / padded
+                comp_rows.append(dict(size=size, residual=residual, plain_ms=t_plain, comp_ms=t_comp,
+                                      added_ms=t_comp - t_plain, bytes_per_element=per_elem))
+                print(f"{size >> 20:6d} MB  compensator, residual {residual}: {t_plain:.4f} -> {t_comp:.4f} ms per "
+                      f"rank (+{t_comp - t_plain:.4f} ms = {per_elem:.1f} bytes/element at copy bandwidth)")
+        x = m1 = m2 = send = gathered = y = None  # this size's buffers go
         torch.cuda.empty_cache()
 
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device=props.name,
                 torch=torch.__version__, copy_bw_tbps=copy_bw / 1e12, echo_load_s=echo_load_s,
                 ds_load_s=ds_load_s, ds_error=ds_error, command=" ".join(sys.argv))
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows, compensator=comp_rows), indent=1))
 
     print("\n| size | op | median ms | min-max ms | GB/s | % copy | check |")
     print("|---:|---|---:|---:|---:|---:|---|")
@@ -323,6 +340,14 @@ def main():
         else:
             print(f"| {r['size'] >> 20} MB | {r['op']} | {r['ms']:.4f} | {r['lo']:.4f}-{r['hi']:.4f} | "
                   f"{r['gbps']:.0f} | {r['pct_copy']:.1f} | {r['check']} |")
+    if comp_rows:
+        print("\nThe compensator per rank and call: entry + owner reduce + dequantize with the state against "
+              "without it (same rotation); bytes/element = added time x copy bandwidth / padded elements.\n")
+        print("| size | residual | uncompensated ms | compensated ms | added ms | bytes/element |")
+        print("|---:|---|---:|---:|---:|---:|")
+        for r in comp_rows:
+            print(f"| {r['size'] >> 20} MB | {r['residual']} | {r['plain_ms']:.4f} | {r['comp_ms']:.4f} | "
+                  f"{r['added_ms']:.4f} | {r['bytes_per_element']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ all-reduce over a size sweep (nccl-tests' columns), and the tile size.
 Ranks bootstrap over gloo and may share one GPU (then start MPS first, as benchmarks/p2p_gpu.sh does):
 on one GPU a peer write is a local HBM write, so these numbers measure the protocol's overheads and the
 stages' kernels, not NVLink; the multi-GPU numbers are issue 8's. Times are medians over ``--iters``
-calls after ``--warmup`` (per-call CUDA events on the caller's stream), with the spread (min..max).
+calls after ``--warmup`` (per-call CUDA events on the caller's stream), with the spread (min..max); the
+graph columns replay ``--graph-reps`` back-to-back calls captured in one CUDA graph (time per call), the
+host out of the loop, and "graph ratio" is compensated over uncompensated.
 busbw = algbw * 2 (P - 1) / P, algbw = message bytes / time, as nccl-tests defines them for all-reduce.
 """
 
@@ -148,6 +150,30 @@ def _time_calls(buf, x, spec, comp, warmup, iters):
     return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)], host
 
 
+def _time_graph(buf, x, spec, comp, iters, reps):
+    """Seconds per call of ``reps`` back-to-back calls captured in one CUDA graph (median, min, max over
+    ``iters`` replays). The ranks meet at a barrier before each replay, so every replay starts together."""
+    buf.all_reduce(x, spec, compensator=comp)  # eager warm-up: schedule and state exist before the capture
+    buf.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            buf.all_reduce(x, spec, compensator=comp)
+    buf.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    secs = []
+    for _ in range(iters + 1):
+        dist.barrier()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        secs.append(start.elapsed_time(end) * 1e-3 / reps)
+    buf.check()
+    del graph
+    return _median_spread(secs[1:])  # the first replay uploads the graph
+
+
 def sweep_body(rank, world_size, args):
     from echo_ds.compensator import make_compensator
     from echo_ds.config import DirectionConfig
@@ -162,7 +188,7 @@ def sweep_body(rank, world_size, args):
     max_numel = args["max_bytes"] // 2
     buf = EchoBuffer(max_numel=max_numel, tile_bytes=args["tile_bytes"], stages=args["stages"])
     assert buf.active, buf.reason
-    spec = QuantSpec(4, 128)
+    spec = QuantSpec(4, 128, rotation=args["rotation"] == "hadamard")
     rows = []
     size = args["min_bytes"]
     while size <= args["max_bytes"]:
@@ -183,6 +209,9 @@ def sweep_body(rank, world_size, args):
             secs, host = _time_calls(buf, x, spec, comp, args["warmup"], args["iters"])
             med, lo, hi = _median_spread(secs)
             row[label] = {"median_s": med, "min_s": lo, "max_s": hi, "host_median_s": statistics.median(host)}
+            if args["graph_reps"]:
+                g_med, g_lo, g_hi = _time_graph(buf, x, spec, comp, args["iters"], args["graph_reps"])
+                row[label].update(graph_median_s=g_med, graph_min_s=g_lo, graph_max_s=g_hi)
         rows.append(row)
         size *= args["factor"]
     # Tile sweep at one size.
@@ -220,12 +249,16 @@ def main(argv=None):
     ap.add_argument("--tile-sweep-bytes", type=int, default=64 * MIB, help="message size of the tile sweep (0: none)")
     ap.add_argument("--tile-sweep", default=f"{256 * 1024},{MIB},{4 * MIB},{16 * MIB},0")
     ap.add_argument("--pingpong", type=int, default=2000, help="round trips of the flag latency test (0: none)")
+    ap.add_argument("--rotation", choices=("hadamard", "none"), default="hadamard",
+                    help="the quantizer's rotation (default: the default configuration's)")
+    ap.add_argument("--graph-reps", type=int, default=10,
+                    help="calls per CUDA graph for the graph-replay columns (0: no graph timing)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from echo_ds.p2p.buffer import kDefaultTileBytes
 
     cfg = {"min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor, "warmup": args.warmup,
-           "iters": args.iters, "stages": args.stages,
+           "iters": args.iters, "stages": args.stages, "graph_reps": args.graph_reps, "rotation": args.rotation,
            "tile_bytes": kDefaultTileBytes if args.tile_bytes is None else args.tile_bytes,
            "tile_sweep_bytes": args.tile_sweep_bytes, "tile_sweep": [int(v) for v in args.tile_sweep.split(",")]}
     report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "date": time.strftime(
@@ -251,18 +284,23 @@ def main(argv=None):
         res = run_distributed(sweep_body, P, dict(cfg, tile_sweep_bytes=cfg["tile_sweep_bytes"] if P == world_sizes[-1]
                                                   else 0), timeout=600)[0]
         report["sweeps"][P] = res
-        print(f"\nEcho all-reduce, P = {P} ranks, bf16, 4-bit, g = 128, zero_aware, stages: "
+        print(f"\nEcho all-reduce, P = {P} ranks, bf16, 4-bit, g = 128, zero_aware, rotation {args.rotation}, "
+              f"compensated: the default forward direction (residual local); stages: "
               f"{res['rows'][0]['stages'] if res['rows'] else '?'}; tile {_fmt_bytes(cfg['tile_bytes'])}; "
               f"median of {args.iters} (min..max); host = host time to issue one call")
-        print("| size | time | algbw | busbw | host | compensated time | correct |")
-        print("|---:|---:|---:|---:|---:|---:|:---:|")
+        print("| size | time | algbw | busbw | host | compensated time | graph | compensated graph | "
+              "graph ratio | correct |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
         for r in res["rows"]:
             p, c = r["plain"], r["compensated"]
             algbw = r["bytes"] / p["median_s"] / 1e9
             busbw = algbw * 2 * (P - 1) / P
+            graph = ("| - | - | - " if "graph_median_s" not in p else
+                     f"| {p['graph_median_s'] * 1e6:.1f} us | {c['graph_median_s'] * 1e6:.1f} us "
+                     f"| {c['graph_median_s'] / p['graph_median_s']:.2f}x ")
             print(f"| {_fmt_bytes(r['bytes'])} | {p['median_s'] * 1e6:.1f} us ({p['min_s'] * 1e6:.0f}..{p['max_s'] * 1e6:.0f}) "
                   f"| {algbw:.1f} GB/s | {busbw:.1f} GB/s | {p['host_median_s'] * 1e6:.0f} us "
-                  f"| {c['median_s'] * 1e6:.1f} us | {'yes' if r['ok'] else 'NO'} |")
+                  f"| {c['median_s'] * 1e6:.1f} us {graph}| {'yes' if r['ok'] else 'NO'} |")
         if res["tiles"]:
             print(f"\nTile size at {_fmt_bytes(cfg['tile_sweep_bytes'])} (P = {P}):")
             print("| tile bytes | tiles | time | host |")

@@ -66,7 +66,7 @@ fi
 } 2>&1 | tee "$OUT/test.log" | grep -v "^\[.*WARNING"
 
 BENCH_ARGS=${BENCH_ARGS:-"--warmup 2 --iters 5"}
-timeout 100 python3 benchmarks/bench_p2p.py --json "$OUT/bench.json" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v "WARNING"
+timeout "${P2P_BENCH_TIMEOUT:-100}" python3 benchmarks/bench_p2p.py --json "$OUT/bench.json" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" | grep -v "WARNING"
 stamp "bench done"
 
 # Last: a killed rank (its teardown under MPS must not disturb the runs above).

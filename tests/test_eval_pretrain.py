@@ -189,7 +189,10 @@ def test_backward_sites_at_16bit_give_autograds_gradient(arch):
             tp.begin_pass()
             got, loss = flat_grad(model, ids)
             assert tp.backward_sites.num_reduces == tp.num_backward_sites == 4
-        assert torch.equal(loss, ref_loss)          # the split does not touch the forward values here
+        # The split computes each rank's output columns as a matrix product of its own: equal to the
+        # unsplit product up to the blocking of the products, which depends on the CPU's BLAS kernels (bit
+        # for bit on some machines, not on others), so the forward loss agrees to the same tolerance.
+        assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss)), (dtype, float(loss), float(ref_loss))
         offset = 0
         for name, p in model.named_parameters():
             n = p.numel()
