@@ -1,8 +1,11 @@
 """The CUDA path of echo_ds: the op builder and the kernel wrappers.
 
-Importing this package needs no GPU. ``load()`` builds (once) and returns the compiled extension; on a
-machine without a CUDA build of torch or without nvcc it raises :class:`EchoKernelsUnavailable` with
-what is missing, and ``available()`` says so without raising.
+Importing this package needs no GPU. ``load()`` returns the compiled extension: the prebuilt module
+``echo_ds.ops.echo_ds_ops`` when the package was installed with ``DS_BUILD_ECHO=1`` (see setup.py; no
+JIT, no nvcc needed), else a JIT build (once; ``ECHO_DS_FORCE_JIT=1`` JIT-builds even with a prebuilt
+module). On a machine that cannot get or run it (no CUDA build of torch, no nvcc and no prebuilt module,
+no device) it raises :class:`EchoKernelsUnavailable` with what is missing, and ``available()`` says so
+without raising. ``load_kind()`` says which way the module came ("prebuilt" or "jit").
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class EchoKernelsUnavailable(RuntimeError):
 
 _module = None
 _load_seconds: Optional[float] = None
+_load_kind: Optional[str] = None  # "prebuilt" | "jit"
 
 
 def _builder():
@@ -53,7 +57,11 @@ def unavailable_reason() -> Optional[str]:
         builder = _builder()
     except Exception as e:  # noqa: BLE001 - deepspeed missing or broken
         return f"the DeepSpeed op builder could not be imported ({type(e).__name__}: {e})"
-    missing = builder.missing_requirements()
+    if builder.prebuilt_spec() is not None:  # an ahead-of-time build: no nvcc or sources needed
+        missing = [] if torch.version.cuda else [f"a CUDA build of torch (this is torch {torch.__version__}, "
+                                                 "built without CUDA)"]
+    else:
+        missing = builder.missing_requirements()
     if not missing and not torch.cuda.is_available():
         missing.append("a visible CUDA device (torch.cuda.is_available() is False)")
     return ("echo_ds CUDA kernels unavailable: missing " + "; ".join(missing)) if missing else None
@@ -64,25 +72,40 @@ def available() -> bool:
 
 
 def load(verbose: bool = False):
-    """The compiled extension (JIT-built on first use, then cached in this process and on disk)."""
-    global _module, _load_seconds
+    """The compiled extension: the prebuilt module if installed (DS_BUILD_ECHO=1), else JIT-built on first
+    use (then cached on disk); either way cached in this process."""
+    global _module, _load_seconds, _load_kind
     if _module is not None:
         return _module
     reason = unavailable_reason()
     if reason is not None:
         raise EchoKernelsUnavailable(reason)
+    builder = _builder()
     start = time.perf_counter()
-    _module = _builder().load(verbose=verbose)
+    module = builder.load(verbose=verbose)  # the prebuilt module first, then DeepSpeed's JIT load
     _load_seconds = time.perf_counter() - start
+    # The prebuilt module has the package's name; torch's JIT build has the bare NAME.
+    _load_kind = "prebuilt" if module.__name__ == builder.absolute_name() else "jit"
+    _module = module
     return _module
 
 
 def load_seconds() -> Optional[float]:
-    """Seconds the first load() took in this process (a cold or a cached build), None before it."""
+    """Seconds the first load() took in this process (importing the prebuilt module, or a cold or a cached
+    JIT build), None before it."""
     return _load_seconds
 
 
+def load_kind() -> Optional[str]:
+    """How this process's load() got the extension: "prebuilt" (installed with DS_BUILD_ECHO=1) or "jit";
+    None before load()."""
+    return _load_kind
+
+
 def build_directory() -> str:
+    """Where the JIT build lives; after load() took the prebuilt module, "prebuilt: <its file>"."""
+    if _load_kind == "prebuilt":
+        return f"prebuilt: {getattr(_module, '__file__', '?')}"
     from echo_ds.ops.builder import build_directory as _dir
 
     return _dir()

@@ -1,8 +1,18 @@
 """DeepSpeed op builder of the Echo CUDA kernels (csrc/; in an installed package echo_ds/_csrc/).
 
-``EchoBuilder().load()`` JIT-compiles the extension once per build directory (torch's extension cache,
-``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) and once per process (DeepSpeed's loaded-op
-cache); ``DS_BUILD_ECHO=1`` at install time selects it for an ahead-of-time build like DeepSpeed's own ops.
+Two ways to get the extension, as for DeepSpeed's own ops:
+
+* Ahead of time: ``DS_BUILD_ECHO=1 pip install --no-build-isolation .`` (a CUDA build of torch, nvcc and
+  deepspeed installed first; pip's isolated build environment has none of them) makes setup.py add
+  ``EchoBuilder().builder()``, a ``CUDAExtension`` named ``absolute_name()`` = ``echo_ds.ops.echo_ds_ops``,
+  built by torch's ``BuildExtension`` into the package (``echo_ds/ops/echo_ds_ops.*.so``). setup.py fails
+  with the missing requirement rather than install without it. Without the variable (or with any value but
+  ``1``) the package has no compiled module and installs without torch, as before.
+* Just in time: ``EchoBuilder().load()`` first imports that prebuilt module (``ECHO_DS_FORCE_JIT=1`` skips
+  it; one that is installed but fails to import, e.g. built against another torch, gives one warning with
+  the reason); without one it JIT-compiles the extension once per build directory (torch's extension cache,
+  ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). Either way once per process (DeepSpeed's
+  loaded-op cache). Both builds take the same flags (``builder()`` adds what DeepSpeed's ``jit_load`` adds).
 
 Numerics: the kernels reproduce the reference bit for bit, so this builder does NOT take DeepSpeed's
 default nvcc flags, which include ``--use_fast_math`` (approximate division, flush-to-zero, contraction
@@ -17,9 +27,12 @@ e.g. ``TORCH_CUDA_ARCH_LIST="8.0;9.0"``. Architectures before sm_80 are dropped 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
@@ -57,6 +70,9 @@ HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_common.cuh", "owner_reduce.cu
 DEFAULT_ARCH_LIST = "9.0"
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
+# ECHO_DS_FORCE_JIT=1: load() ignores a prebuilt module (development: JIT-build the checkout's sources).
+FORCE_JIT_VAR = "ECHO_DS_FORCE_JIT"
+
 # Numerics flags; see the module docstring.
 EXACT_FP_NVCC_FLAGS = ["-fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true"]
 
@@ -89,7 +105,64 @@ class EchoBuilder(CUDAOpBuilder):
         super().__init__(name=self.NAME if name is None else name)
 
     def absolute_name(self):
+        """The prebuilt (ahead-of-time) module's full name: echo_ds/ops/echo_ds_ops.*.so of the package."""
         return f"echo_ds.ops.{self.NAME}"
+
+    def prebuilt_spec(self):
+        """The import spec of the prebuilt module, None when none is installed or ``ECHO_DS_FORCE_JIT=1``.
+
+        Finds the file without loading it (its package echo_ds.ops is imported, not the extension)."""
+        if os.environ.get(FORCE_JIT_VAR) == "1":
+            return None
+        try:
+            return importlib.util.find_spec(self.absolute_name())
+        except (ImportError, ValueError):
+            return None
+
+    def load_prebuilt(self):
+        """The prebuilt module, or None: none installed, ``ECHO_DS_FORCE_JIT=1``, or it failed to import
+        (then one warning names the reason and the file, and the caller JIT-builds instead)."""
+        if os.environ.get(FORCE_JIT_VAR) == "1":
+            return None
+        name = self.absolute_name()
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                return None  # no ahead-of-time build installed: JIT, as without DS_BUILD_ECHO
+            reason = e
+        except Exception as e:  # noqa: BLE001 - ABI or torch mismatch, missing CUDA library, ...
+            reason = e
+        spec = self.prebuilt_spec()
+        where = spec.origin if spec is not None else name
+        warnings.warn(f"{self.NAME}: the prebuilt extension {where} failed to import "
+                      f"({type(reason).__name__}: {reason}); JIT-building it instead", RuntimeWarning, stacklevel=2)
+        return None
+
+    def load(self, verbose=False):
+        """The extension: this process's, else the prebuilt module, else a JIT build (DeepSpeed's load)."""
+        if self.name in self._loaded_ops:
+            return self._loaded_ops[self.name]
+        module = self.load_prebuilt()
+        if module is None:
+            return super().load(verbose=verbose)  # not in deepspeed's installed_ops: jit_load
+        self._loaded_ops[self.name] = module
+        return module
+
+    def builder(self):
+        """The ahead-of-time CUDAExtension (setup.py with DS_BUILD_ECHO=1): DeepSpeed's, with the flags that
+        DeepSpeed's jit_load adds to a JIT build, so that both builds compile the same code; and ``-g0`` for
+        the binding, as in a JIT build (setuptools adds Python's CFLAGS, ``-g -O2 ...``; on the H200 machine
+        debug info made the binding's compile 40 s instead of 32 s and the library 22 MB instead of 12 MB)."""
+        ext = super().builder()
+        if not self.build_for_cpu:
+            ext.extra_compile_args["cxx"] += ["-UC10_USE_GLOG", "-g0"]
+            ext.extra_compile_args["nvcc"].append("-UC10_USE_GLOG")
+            if self.enable_bf16:
+                ext.extra_compile_args["nvcc"] += ["-U__CUDA_NO_BFLOAT16_OPERATORS__",
+                                                   "-U__CUDA_NO_BFLOAT162_OPERATORS__",
+                                                   "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
+        return ext
 
     def sources(self):
         return [str(CSRC_DIR / s) for s in SOURCES]
