@@ -10,13 +10,12 @@ Each time is the median (and min-max spread) over --iters CUDA-graph replays of 
 "bytes" is what a stage must move through device memory at the least (every input read once, every output
 written once); GB/s = bytes / time, "% copy" = that over the device-to-device copy bandwidth (bytes read +
 written) of a 1 GB copy measured in the same run. P = 4 ranks (one rank's share of the work), 4-bit codes,
-groups of 128, zero-aware policy, the compensator's 8-bit state (m1, m2), unless a row says otherwise.
+groups of 128, zero-aware policy, bf16 compensator state (m1, m2), unless a row says otherwise.
 
 After the rows, a second table prices the compensator: per rank and call, the time its state adds to the
 passes of an uncompensated call (entry + owner reduce + dequantize, same rotation), converted to bytes per
-element of the message at the copy bandwidth of the same run. The state itself must move about 4 (residual
-"local": m1 and m2 read once, written once, 1 byte each plus a scale per group) or 6 ("output": read again
-by the dequantize).
+element of the message at the copy bandwidth of the same run. The state itself must move 8 (residual
+"local": m1 and m2 read once, written once) or 12 ("output": read again by the dequantize).
 
 Rows:
   copy                 an elementwise copy kernel over the message (torch.neg, out=; 2 x bytes)
@@ -56,7 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echo_ds import collective as C  # noqa: E402
-from echo_ds.compensator import store_state  # noqa: E402
+from echo_ds.compensator import kStateDtype  # noqa: E402
 from echo_ds.quant import QuantSpec  # noqa: E402
 
 P = 4
@@ -132,8 +131,7 @@ def stage_buffers(n: int, spec, dev):
     padded = layout.padded_numel
     b = types.SimpleNamespace(layout=layout, n=n)
     b.x = (torch.randn(n, device=dev) * 2.0).to(torch.float16)
-    b.m1, b.m2 = (store_state(torch.randn(padded // spec.group_size, spec.group_size, device=dev) * 1e-2)
-                  for _ in range(2))
+    b.m1, b.m2 = ((torch.randn(padded, device=dev) * 1e-2).to(kStateDtype) for _ in range(2))
     b.send = E.alloc_packets(P, layout, spec, dev)
     b.gathered = E.alloc_packets(P, layout, spec, dev)
     b.y = torch.empty(n, dtype=torch.float16, device=dev)
@@ -265,8 +263,7 @@ def main():
         ok = torch.equal(kc, rc) and torch.equal(ks.view(torch.int16), rsc.view(torch.int16))
         del segs, rc, rsc, rz
         add("entry", entry(), base, "bit-exact" if ok else "MISMATCH")
-        state_bytes = 2 * (1 + 4 / G_SIZE)  # m1 and m2 of one element: a code each, a scale per group
-        add("entry+comp", entry(m1=m1, m2=m2, coeffs=coeffs), base + int(state_bytes * sent))
+        add("entry+comp", entry(m1=m1, m2=m2, coeffs=coeffs), base + 4 * sent)
         add("entry+rot", entry(spec=spec_rot), base)
         add("entry+sym", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="symmetric")), base)
         add("entry+naive", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="naive")), base)
@@ -276,10 +273,9 @@ def main():
             tab8 = E.packet_table([None, *send8[1:]], layout, spec8)
             add("entry+8bit", entry(spec=spec8, out=tab8), 2 * sent + (P - 1) * (S + 4 * G))
             send8 = tab8 = None
-        add("entry+comp+local", entry(m1=m1, m2=m2, coeffs=coeffs, update_state=True),
-            base + int(2 * state_bytes * sent))
+        add("entry+comp+local", entry(m1=m1, m2=m2, coeffs=coeffs, update_state=True), base + 8 * sent)
         add("entry+comp+rot+local", entry(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, update_state=True),
-            base + int(2 * state_bytes * sent))
+            base + 8 * sent)
         add("pow2_amax", lambda: E.pow2_amax(x, amax, world_size=P, spec=spec), 2 * n)
         copies = E.packet_table([None, *send[1:]], layout, spec)
         owner_out = E.packet_table([gathered[0], None, None, None], layout, spec)
@@ -288,10 +284,10 @@ def main():
         def owner(spec=spec, **kw):
             return lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec, copies=copies, out=owner_out, **kw)
         add("owner_reduce", owner(), owner_bytes)
-        add("owner_reduce+comp", owner(m1=m1, m2=m2, coeffs=coeffs), owner_bytes + int(state_bytes * S))
+        add("owner_reduce+comp", owner(m1=m1, m2=m2, coeffs=coeffs), owner_bytes + 4 * S)
         add("owner_reduce+rot", owner(spec=spec_rot), owner_bytes)
         add("owner_reduce+comp+rot+local", owner(spec=spec_rot, m1=m1, m2=m2, coeffs=coeffs, update_state=True),
-            owner_bytes + int(2 * state_bytes * S))
+            owner_bytes + 8 * S)
         for j in range(1, P):
             gathered[j].copy_(send[j])
         E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab)
@@ -302,8 +298,7 @@ def main():
             "bit-exact" if ok else "MISMATCH")
         add("dequantize+rot", lambda: E.dequantize(y, world_size=P, spec=spec_rot, gathered=gat_tab), P * cb + 2 * n)
         add("dequantize+update", lambda: E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab, x=x, m1=m1, m2=m2,
-                                                      coeffs=coeffs),
-            P * cb + 2 * n + 2 * n + int(2 * state_bytes * padded))
+                                                      coeffs=coeffs), P * cb + 2 * n + 2 * n + 8 * padded)
 
         # The unfused compensator as PyTorch ops: apply (c, x' = x + c) before the all-reduce, update after.
         tc = Compensator(DirectionConfig())
@@ -313,10 +308,10 @@ def main():
         pad = padded - n
 
         def torch_comp():
-            c = tc.correction(tc.m1.codes.shape, dev)
+            c = tc.correction(tc.m1.shape, dev)
             xp = torch.nn.functional.pad(xf, (0, pad)) + c
             tc.update(xp - torch.nn.functional.pad(yf, (0, pad)) / P)
-        add("torch_compensator", torch_comp, 2 * n + int(2 * state_bytes * padded) + 2 * n)
+        add("torch_compensator", torch_comp, 2 * n + 8 * padded + 2 * n)
         tc = xf = yf = None
 
         for residual, plain, compensated in COMPENSATOR_SUMS:

@@ -2,7 +2,7 @@
 // s_hat = s_hat_scaled 2^-k -> unrotate -> output dtype (round to nearest even). Every rank decodes the
 // same codes, its own segment included, so all ranks hold the same bits (paper, section 4.1). With
 // residual "output" it is also the compensator's update, which needs s_hat: it re-reads x and the state
-// (the entry read them too: about 6 bytes of state per element and call) and writes the state once.
+// (the entry read them too: 12 bytes of state per element and call) and writes the state once.
 #include "echo_common.cuh"
 
 namespace echo {
@@ -39,8 +39,8 @@ __global__ void ECHO_KERNEL_BOUNDS((dequantize_min_blocks<kUpdate>())) dequantiz
     // s_hat / P is a product by fp32(1 / P) (__frcp_rn is the correctly rounded reciprocal), as PyTorch
     // computes `cuda_tensor / python_int` and the reference writes it (exact for P = 2, 4, 8).
     float r[kElemsPerThread];
-    StateRegs st;
-    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, /*k=*/0, r, st);
+    StateWords m1, m2;
+    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, /*k=*/0, r, m1, m2);
     decode<kBits>(codes, p.scale, p.zero, v);
     const float inv_world = __frcp_rn(static_cast<float>(a.layout.world_size));
 #pragma unroll
@@ -48,7 +48,7 @@ __global__ void ECHO_KERNEL_BOUNDS((dequantize_min_blocks<kUpdate>())) dequantiz
       if (k != 0) v[i] = f_mul(v[i], down);
       r[i] = f_sub(r[i], f_mul(v[i], inv_world));
     }
-    update_state<kLanes>(a.src, e, lane, st, r);
+    update_state<kLanes>(a.src, e, lane, m1, m2, r);
     if (e >= a.layout.numel) return;
   } else {
     decode<kBits>(codes, p.scale, p.zero, v);

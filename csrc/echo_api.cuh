@@ -15,13 +15,12 @@
 //                               "output": m1, m2 of the segments it decodes updated from r' - s_hat / P.
 //   (launch_pow2_amax           max |r'| over this rank's padded tensor, for the power-of-two rescaling.)
 //
-// The compensator's state (echo_ds/compensator.py, "Storage") is m1 and m2 stored as 8-bit codes with an
-// fp32 scale per group and computed with in fp32. Each element's state is read once per call by the pass
-// that forms its r' (entry or owner reduce) and, with residual "local", updated by that same pass from the
-// rounding error it holds in registers; with residual "output" the dequantize reads it again and updates
-// it. No correction, residual or other fp32 array is written: the state costs about 4 bytes per element
-// per call ("local": 2 read, 2 written, plus the scales; pow2 rescaling adds a read of 2 in its max pass;
-// "output" reads it twice, about 6).
+// The compensator's state (echo_ds/compensator.py, "Storage") is m1 and m2 stored as bf16 and computed with
+// in fp32. Each element's state is read once per call by the pass that forms its r' (entry or owner
+// reduce) and, with residual "local", updated by that same pass from the rounding error it holds in
+// registers; with residual "output" the dequantize reads it again and updates it. No correction, residual
+// or other fp32 array is written: the state costs 8 bytes per element per call ("local"; pow2 rescaling
+// adds a read of 4 in its max pass; "output" reads it twice, 12).
 //
 // Wire format of one segment (the reference's packet, echo_ds/reference.py::_packet): codes
 // [G, g * b / 8] uint8 (4-bit: element 2k in the low nibble of byte k), then scales [G] fp16, then
@@ -73,8 +72,7 @@ static_assert(sizeof(HadamardSpec) == (kMaxGroupSize / 32 + 2) * 4, "HadamardSpe
 static_assert(offsetof(HadamardSpec, norm) == kMaxGroupSize / 8, "HadamardSpec.norm offset");
 
 // Compensator coefficients, each already rounded to fp32 (echo_ds/compensator.py, Compensator.__init__):
-// c = ((m1 * blend) + (m2 * one_minus_blend)) * gain; m = store((m * decay) + (u * one_minus_decay)),
-// m = q * s of the stored codes q and group scale s (compensator.StoredAverage).
+// c = ((m1 * blend) + (m2 * one_minus_blend)) * gain; m = store((m * decay) + (u * one_minus_decay)).
 struct CompensatorCoeffs {
   float gain;             // eta
   float blend;            // a
@@ -94,12 +92,9 @@ struct Contribution {
   const void* x;  // [numel] x_dtype (16-byte alignment enables the vector path)
   DType x_dtype;
   int32_t update_state;  // the stage folds this call's residual into m1, m2 in place (see each stage)
-  // Compensation (all null: none): per average, int8 codes [padded] (16-byte aligned) and one fp32 scale
-  // per group [padded / g].
-  int8_t* m1;         // the slow average's codes
-  float* m1_scale;
-  int8_t* m2;         // the fast average's codes
-  float* m2_scale;
+  // Compensation (both null: none).
+  uint16_t* m1;  // [padded] bf16 bit patterns, the slow average; 16-byte aligned
+  uint16_t* m2;  // [padded] bf16 bit patterns, the fast average
   CompensatorCoeffs coeffs;
   HadamardSpec hadamard;
 };

@@ -40,25 +40,15 @@ void check_aligned(const at::Tensor& t, const char* name, int64_t bytes) {
               "-byte aligned (data_ptr ", t.data_ptr(), ")");
 }
 
-// One stored average of the compensator (compensator.StoredAverage): int8 codes of at least `numel`
-// elements, 16-byte aligned, and float32 scales of at least numel / group_size.
-void state_arrays(const OptTensor& codes, const OptTensor& scale, const char* name, int64_t numel,
-                  int64_t group_size, int8_t*& codes_out, float*& scale_out) {
-  codes_out = nullptr;
-  scale_out = nullptr;
-  TORCH_CHECK(present(codes) == present(scale), name, ": the codes and the scales come together");
-  if (!present(codes)) return;
-  check_tensor(*codes, name);
-  check_tensor(*scale, name);
-  TORCH_CHECK(codes->scalar_type() == at::kChar, name, " codes must be int8 (compensator.StoredAverage), got ",
-              codes->scalar_type());
-  TORCH_CHECK(scale->scalar_type() == at::kFloat, name, " scales must be float32, got ", scale->scalar_type());
-  TORCH_CHECK(codes->numel() >= numel, name, " codes have ", codes->numel(), " elements, need ", numel);
-  TORCH_CHECK(scale->numel() >= numel / group_size, name, " scales have ", scale->numel(), " elements, need ",
-              numel / group_size);
-  check_aligned(*codes, name, 16);
-  codes_out = codes->data_ptr<int8_t>();
-  scale_out = scale->data_ptr<float>();
+// A compensator state array (compensator.kStateDtype, bf16) of at least `numel` elements, 16-byte aligned.
+uint16_t* opt_state_array(const OptTensor& t, const char* name, int64_t numel) {
+  if (!present(t)) return nullptr;
+  check_tensor(*t, name);
+  TORCH_CHECK(t->scalar_type() == at::kBFloat16, name, " must be bfloat16 (the compensator's state), got ",
+              t->scalar_type());
+  TORCH_CHECK(t->numel() >= numel, name, " has ", t->numel(), " elements, needs ", numel);
+  check_aligned(*t, name, 16);
+  return reinterpret_cast<uint16_t*>(t->data_ptr<at::BFloat16>());
 }
 
 DType dtype_of(const at::Tensor& t, const char* name) {
@@ -158,11 +148,10 @@ const float* opt_scalar(const OptTensor& t, const char* name) {
 
 // r' = rotate(x) + c of this rank (echo::Contribution); x is checked by the caller and l is its layout.
 // update_state: the stage folds its residual into m1, m2 in place.
-// m1, m2: the averages' codes; m1_scale, m2_scale: their group scales (compensator.StoredAverage).
-echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, const OptTensor& m1_scale,
-                                     const OptTensor& m2, const OptTensor& m2_scale, bool update_state,
-                                     const std::vector<double>& coeffs, const std::vector<int64_t>& hadamard_signs,
-                                     double hadamard_norm, const Layout& l) {
+echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
+                                     bool update_state, const std::vector<double>& coeffs,
+                                     const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
+                                     const Layout& l) {
   const int64_t padded = echo::padded_numel(l);
   TORCH_CHECK(present(m1) == present(m2), "m1 and m2 come together");
   TORCH_CHECK(!present(m1) || !coeffs.empty(), "compensating from the state needs coeffs");
@@ -171,16 +160,15 @@ echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, c
   s.x = x.data_ptr();
   s.x_dtype = dtype_of(x, "x");
   s.update_state = update_state ? 1 : 0;
-  state_arrays(m1, m1_scale, "m1", padded, l.group_size, s.m1, s.m1_scale);
-  state_arrays(m2, m2_scale, "m2", padded, l.group_size, s.m2, s.m2_scale);
+  s.m1 = opt_state_array(m1, "m1", padded);
+  s.m2 = opt_state_array(m2, "m2", padded);
   TORCH_CHECK(s.m1 == nullptr || (s.m1 + padded <= s.m2 || s.m2 + padded <= s.m1), "m1 and m2 must not overlap");
   s.coeffs = make_coeffs(coeffs);
   s.hadamard = make_hadamard(hadamard_signs, hadamard_norm, l.group_size);
   return s;
 }
 
-void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m1_scale, const OptTensor& m2,
-                   const OptTensor& m2_scale,
+void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
                    const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
                    const std::vector<at::Tensor>& zeros, bool update_state, const OptTensor& pow2_amax,
                    int64_t rank, int64_t world_size, int64_t group_size, int64_t bits, int64_t policy,
@@ -195,8 +183,7 @@ void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m1
   if (num_groups < 0) num_groups = G - group_begin;
   TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
               group_begin + num_groups, ") outside the segment's ", G);
-  a.src = make_contribution(x, m1, m1_scale, m2, m2_scale, update_state, coeffs, hadamard_signs, hadamard_norm,
-                            a.layout);
+  a.src = make_contribution(x, m1, m2, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.policy = policy_of(policy);
@@ -210,8 +197,7 @@ void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m1
   echo::launch_push_quantize(a, as_stream(stream));
 }
 
-void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m1_scale, const OptTensor& m2,
-                  const OptTensor& m2_scale,
+void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
                   const std::vector<at::Tensor>& in_codes, const std::vector<at::Tensor>& in_scales,
                   const std::vector<at::Tensor>& in_zeros, const std::vector<at::Tensor>& out_codes,
                   const std::vector<at::Tensor>& out_scales, const std::vector<at::Tensor>& out_zeros,
@@ -228,8 +214,7 @@ void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m1_
   if (num_groups < 0) num_groups = G - group_begin;
   TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
               group_begin + num_groups, ") outside the segment's ", G);
-  a.src = make_contribution(x, m1, m1_scale, m2, m2_scale, update_state, coeffs, hadamard_signs, hadamard_norm,
-                            a.layout);
+  a.src = make_contribution(x, m1, m2, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.policy = policy_of(policy);
@@ -248,8 +233,7 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
                 const std::vector<at::Tensor>& zeros, const OptTensor& pow2_amax, int64_t world_size,
                 int64_t group_size, int64_t bits, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                 int64_t segment_begin, int64_t num_segments, int64_t group_begin, int64_t num_groups,
-                const OptTensor& x, const OptTensor& m1, const OptTensor& m1_scale, const OptTensor& m2,
-                const OptTensor& m2_scale, const std::vector<double>& coeffs,
+                const OptTensor& x, const OptTensor& m1, const OptTensor& m2, const std::vector<double>& coeffs,
                 int64_t stream) {
   check_tensor(out, "out");
   check_bits(bits);
@@ -277,7 +261,7 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
     check_tensor(*x, "x");
     TORCH_CHECK(x->numel() == out.numel() && x->scalar_type() == out.scalar_type(),
                 "dequantize: x must have out's numel and dtype");
-    a.src = make_contribution(*x, m1, m1_scale, m2, m2_scale, true, coeffs, hadamard_signs, hadamard_norm, a.layout);
+    a.src = make_contribution(*x, m1, m2, true, coeffs, hadamard_signs, hadamard_norm, a.layout);
   } else {
     a.src.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
   }
@@ -285,14 +269,13 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
   echo::launch_dequantize(a, as_stream(stream));
 }
 
-void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor& m1, const OptTensor& m1_scale,
-               const OptTensor& m2, const OptTensor& m2_scale,
+void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor& m1, const OptTensor& m2,
                int64_t world_size, int64_t group_size,
                const std::vector<int64_t>& hadamard_signs, double hadamard_norm, const std::vector<double>& coeffs, int64_t stream) {
   check_tensor(x, "x");
   echo::Pow2AmaxArgs a{};
   a.layout = make_layout(x.numel(), world_size, group_size);
-  a.src = make_contribution(x, m1, m1_scale, m2, m2_scale, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  a.src = make_contribution(x, m1, m2, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
   check_tensor(amax_out, "amax_out");
   TORCH_CHECK(amax_out.scalar_type() == at::kFloat && amax_out.numel() >= 1, "amax_out must be float32 [1]");
   a.amax_out = amax_out.data_ptr<float>();
@@ -304,14 +287,12 @@ void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "Echo CUDA kernels (echo_ds.ops): entry, owner reduce, dequantize (the compensator's update fused), pow2 amax";
-  m.def("push_quantize", &push_quantize, py::arg("x"), py::arg("m1"), py::arg("m1_scale"), py::arg("m2"),
-        py::arg("m2_scale"),
+  m.def("push_quantize", &push_quantize, py::arg("x"), py::arg("m1"), py::arg("m2"),
         py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("update_state"), py::arg("pow2_amax"),
         py::arg("rank"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("policy"),
         py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("group_begin"),
         py::arg("num_groups"), py::arg("stream"));
-  m.def("owner_reduce", &owner_reduce, py::arg("x"), py::arg("m1"), py::arg("m1_scale"), py::arg("m2"),
-        py::arg("m2_scale"),
+  m.def("owner_reduce", &owner_reduce, py::arg("x"), py::arg("m1"), py::arg("m2"),
         py::arg("in_codes"), py::arg("in_scales"), py::arg("in_zeros"), py::arg("out_codes"), py::arg("out_scales"),
         py::arg("out_zeros"), py::arg("update_state"), py::arg("pow2_amax"), py::arg("rank"), py::arg("world_size"),
         py::arg("group_size"), py::arg("bits"), py::arg("policy"), py::arg("hadamard_signs"),
@@ -320,10 +301,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, py::arg("out"), py::arg("codes"), py::arg("scales"), py::arg("zeros"),
         py::arg("pow2_amax"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"),
         py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("segment_begin"), py::arg("num_segments"),
-        py::arg("group_begin"), py::arg("num_groups"), py::arg("x"), py::arg("m1"), py::arg("m1_scale"),
-        py::arg("m2"), py::arg("m2_scale"), py::arg("coeffs"), py::arg("stream"));
-  m.def("pow2_amax", &pow2_amax, py::arg("x"), py::arg("amax_out"), py::arg("m1"), py::arg("m1_scale"), py::arg("m2"),
-        py::arg("m2_scale"),
+        py::arg("group_begin"), py::arg("num_groups"), py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("coeffs"),
+        py::arg("stream"));
+  m.def("pow2_amax", &pow2_amax, py::arg("x"), py::arg("amax_out"), py::arg("m1"), py::arg("m2"),
         py::arg("world_size"), py::arg("group_size"), py::arg("hadamard_signs"),
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
   m.attr("kMaxWorldSize") = echo::kMaxWorldSize;

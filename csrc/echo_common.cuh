@@ -698,84 +698,51 @@ __device__ __forceinline__ int pow2_exponent(const float* amax_ptr) {
 // 2^k for k in [-126, 126], exactly.
 __device__ __forceinline__ float exp2_int(int k) { return __int_as_float((127 + k) << 23); }
 
-// ---------------------------------------------------------------------------------------------------
-// Compensator state (compensator.py, "Storage"): per average, 8-bit codes of the group's elements in the
-// 8-bit code layout above (element k of a group at byte k) and one fp32 scale per group; value = q * s.
-// ---------------------------------------------------------------------------------------------------
-constexpr float kStateInvCodeMax = float(1.0 / 127.0);  // compensator.kStateInvCodeMax = fp32(1 / 127)
-constexpr float kStateMinScale = 7.52316384526264e-37f;  // compensator.kStateMinScale = 2^-120
-static_assert(kStateMinScale == 0x1p-120f, "2^-120");
+// The state of one lane as loaded: m1 or m2 of its 16 elements as bf16 words (compensator.kStateDtype).
+// Held as words, half the registers of fp32, from the load that forms c to the update.
+using StateWords = RawChunks<__nv_bfloat16>;
 
-// This lane's share of the stored state of one group: its 16 codes of m1 and of m2 and the two scales.
-// Held as loaded (10 registers) from the load that forms c to the update.
-struct StateRegs {
-  Codes<8> q1, q2;
-  float s1, s2;
-};
-
-// Element i of this lane, m = q * s (one fp32 product of the sign-extended code).
-__device__ __forceinline__ float state_value(const Codes<8>& q, float s, int i) {
-  return f_mul(__int2float_rn(static_cast<int8_t>(code_at<8>(q, i))), s);
-}
-
-// The group at element e (padded arrays: whole groups; its scale at e / g).
+// This lane's m1 and m2 of the group at element e (padded arrays: whole groups, 16-byte aligned).
 template <int kLanes>
-__device__ __forceinline__ void load_state(const Contribution& s, int64_t e, int lane, StateRegs& st) {
-  constexpr int kGroup = kLanes * kElemsPerThread;
-  st.q1 = load_codes<8, kLanes>(reinterpret_cast<const uint8_t*>(s.m1) + e, lane);
-  st.q2 = load_codes<8, kLanes>(reinterpret_cast<const uint8_t*>(s.m2) + e, lane);
-  st.s1 = s.m1_scale[e / kGroup];
-  st.s2 = s.m2_scale[e / kGroup];
-}
-
-// compensator.store_state of one average of the group at element e from this lane's values v (every lane
-// of the group takes part: the scale is the group's largest magnitude).
-template <int kLanes>
-__device__ __forceinline__ void store_average(int8_t* codes, float* scales, int64_t e, int lane,
-                                              float (&v)[kElemsPerThread]) {
-  constexpr int kGroup = kLanes * kElemsPerThread;
-  float a = 0.0f;
+__device__ __forceinline__ void load_state(const Contribution& s, int64_t e, int lane, StateWords& m1, StateWords& m2) {
+  constexpr int kBytes = kChunkElems * 2;
 #pragma unroll
-  for (int i = 0; i < kElemsPerThread; ++i) {
-    v[i] = is_finite(v[i]) ? v[i] : 0.0f;  // a non-finite residual poisons its call, not the state
-    a = fmaxf(a, fabsf(v[i]));
+  for (int c = 0; c < kChunks; ++c) {
+    load_bytes<kBytes>(s.m1 + e + chunk_offset<kLanes>(lane, c), m1.w[c]);
+    load_bytes<kBytes>(s.m2 + e + chunk_offset<kLanes>(lane, c), m2.w[c]);
   }
-  const unsigned mask = group_mask<kLanes>();
-#pragma unroll
-  for (int o = kLanes / 2; o > 0; o /= 2) a = fmaxf(a, __shfl_xor_sync(mask, a, o));
-  float scale = f_mul(a, kStateInvCodeMax);
-  const bool tiny = !(scale >= kStateMinScale);
-  scale = tiny ? 0.0f : scale;
-  const float inv = tiny ? 0.0f : f_div(1.0f, scale);
-  Codes<8> q;
-#pragma unroll
-  for (int k = 0; k < Codes<8>::kWords; ++k) q.w[k] = 0u;
-#pragma unroll
-  for (int i = 0; i < kElemsPerThread; ++i) {
-    const int c = max(-127, min(127, __float2int_rn(f_mul(v[i], inv))));
-    q.w[i / 4] |= (static_cast<uint32_t>(c) & 0xffu) << (8 * (i % 4));
-  }
-  store_codes<8, kLanes>(reinterpret_cast<uint8_t*>(codes) + e, lane, q);
-  if (lane == 0) scales[e / kGroup] = scale;
 }
 
-// Compensator.update of the group at element e: m = store((m * decay) + (u * (1 - decay))) for m1 and m2,
-// from the state load_state gave.
+// compensator.store_state: bf16 by round-to-nearest-even; a value not finite after the rounding is +0.
+__device__ __forceinline__ uint32_t state_bits(float v) {
+  const uint32_t b = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  return (b & 0x7f80u) == 0x7f80u ? 0u : b;
+}
+
+// Compensator.update of this lane: m = store((m * decay) + (u * (1 - decay))) for m1 and m2, from the
+// words load_state gave, written back at element e.
 template <int kLanes>
-__device__ __forceinline__ void update_state(const Contribution& s, int64_t e, int lane, const StateRegs& st,
-                                             const float (&u)[kElemsPerThread]) {
+__device__ __forceinline__ void update_state(const Contribution& s, int64_t e, int lane, const StateWords& m1,
+                                             const StateWords& m2, const float (&u)[kElemsPerThread]) {
+  constexpr int kBytes = kChunkElems * 2;
   const CompensatorCoeffs& k = s.coeffs;
-  float m[kElemsPerThread];
+  const auto step = [](uint32_t w, int half, float decay, float u, float one_minus) {
+    return state_bits(f_add(f_mul(word_to_f32<__nv_bfloat16>(w, half), decay), f_mul(u, one_minus)));
+  };
 #pragma unroll
-  for (int i = 0; i < kElemsPerThread; ++i) {
-    m[i] = f_add(f_mul(state_value(st.q1, st.s1, i), k.slow_decay), f_mul(u[i], k.one_minus_slow));
-  }
-  store_average<kLanes>(s.m1, s.m1_scale, e, lane, m);
+  for (int c = 0; c < kChunks; ++c) {
+    uint32_t w1[StateWords::kWords], w2[StateWords::kWords];
 #pragma unroll
-  for (int i = 0; i < kElemsPerThread; ++i) {
-    m[i] = f_add(f_mul(state_value(st.q2, st.s2, i), k.fast_decay), f_mul(u[i], k.one_minus_fast));
+    for (int j = 0; j < StateWords::kWords; ++j) {
+      const float u0 = u[c * kChunkElems + 2 * j], u1 = u[c * kChunkElems + 2 * j + 1];
+      w1[j] = step(m1.w[c][j], 0, k.slow_decay, u0, k.one_minus_slow) |
+              (step(m1.w[c][j], 1, k.slow_decay, u1, k.one_minus_slow) << 16);
+      w2[j] = step(m2.w[c][j], 0, k.fast_decay, u0, k.one_minus_fast) |
+              (step(m2.w[c][j], 1, k.fast_decay, u1, k.one_minus_fast) << 16);
+    }
+    store_bytes<kBytes>(s.m1 + e + chunk_offset<kLanes>(lane, c), w1);
+    store_bytes<kBytes>(s.m2 + e + chunk_offset<kLanes>(lane, c), w2);
   }
-  store_average<kLanes>(s.m2, s.m2_scale, e, lane, m);
 }
 
 // Residual "local" of one lane: u = -(e 2^-k), e = decode(codes) - v, the rounding error the codes carry
@@ -814,17 +781,21 @@ __device__ __forceinline__ Codes<kBits> load_packet_group(const QuantTable& t, i
 
 __host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// r' of one thread: rotate(x) + c, c from the state (m1, m2), which is left in st for the update. v holds x on entry; the state is loaded before the rotation so that its loads are in flight
+// r' of one thread: rotate(x) + c, c from the state (m1, m2), whose words are left in m1, m2 for the
+// update. v holds x on entry; the state is loaded before the rotation so that its loads are in flight
 // meanwhile. e: the group's first element in the padded arrays.
 template <int kLanes>
 __device__ __forceinline__ void compensated_input(float (&v)[kElemsPerThread], int lane, int64_t e,
-                                                  const Contribution& s, StateRegs& st) {
-  if (s.m1 != nullptr) load_state<kLanes>(s, e, lane, st);
+                                                  const Contribution& s, StateWords& m1, StateWords& m2) {
+  if (s.m1 != nullptr) load_state<kLanes>(s, e, lane, m1, m2);
   if (s.hadamard.enabled) rotate<kLanes>(v, lane, s.hadamard);
   if (s.m1 != nullptr) {
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) {
-      v[i] = f_add(v[i], correction(state_value(st.q1, st.s1, i), state_value(st.q2, st.s2, i), s.coeffs));
+      const int c = i / kChunkElems, j = i % kChunkElems;
+      const float a = word_to_f32<__nv_bfloat16>(m1.w[c][j / 2], j % 2);
+      const float b = word_to_f32<__nv_bfloat16>(m2.w[c][j / 2], j % 2);
+      v[i] = f_add(v[i], correction(a, b, s.coeffs));
     }
   }
 }
@@ -838,12 +809,13 @@ __device__ __forceinline__ void load_contribution_x(const Contribution& s, int64
   load_raw<T, kLanes>(static_cast<const T*>(s.x), e, lane, numel, aligned16(s.x), r);
 }
 // kPlain: the caller knows there is neither compensation nor rotation (no code for them is generated).
-// st: the group's state as loaded, for the caller's update (untouched without compensation).
+// m1, m2: the state's words of the group, for the caller's update (untouched without compensation).
 template <typename T, int kLanes, bool kPlain = false>
 __device__ __forceinline__ void contribution_from_raw(const Contribution& s, const RawChunks<T>& r, int64_t e,
-                                                      int lane, int k, float (&v)[kElemsPerThread], StateRegs& st) {
+                                                      int lane, int k, float (&v)[kElemsPerThread], StateWords& m1,
+                                                      StateWords& m2) {
   unpack_raw<T>(r, v);
-  if constexpr (!kPlain) compensated_input<kLanes>(v, lane, e, s, st);
+  if constexpr (!kPlain) compensated_input<kLanes>(v, lane, e, s, m1, m2);
   if (k != 0) {
     const float up = exp2_int(k);
 #pragma unroll
@@ -852,10 +824,10 @@ __device__ __forceinline__ void contribution_from_raw(const Contribution& s, con
 }
 template <typename T, int kLanes>
 __device__ __forceinline__ void contribution(const Contribution& s, int64_t e, int lane, int64_t numel, int k,
-                                             float (&v)[kElemsPerThread], StateRegs& st) {
+                                             float (&v)[kElemsPerThread], StateWords& m1, StateWords& m2) {
   RawChunks<T> r;
   load_contribution_x<T, kLanes>(s, e, lane, numel, r);
-  contribution_from_raw<T, kLanes>(s, r, e, lane, k, v, st);
+  contribution_from_raw<T, kLanes>(s, r, e, lane, k, v, m1, m2);
 }
 
 // min, max and the finite flag of rs = x 2^k over the group's lanes, from the packed words of 16-bit x
@@ -932,8 +904,8 @@ __device__ __forceinline__ GroupParams quantize_plain_group(const Contribution& 
   bool finite;
   group_stats_packed<T, kLanes>(r, k, mn, mx, finite);
   const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy, lane);
-  StateRegs none;  // the plain path has no state
-  contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v, none);
+  StateWords none;  // the plain path has no state
+  contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v, none, none);
   codes = encode<kBits>(v, p, policy);
   return p;
 }
@@ -954,10 +926,9 @@ __device__ __forceinline__ int64_t group_in_row(int& lane) {
 // The host-side invariants of a Contribution (the binding checks them with clearer messages first).
 inline void check_contribution(const Contribution& s) {
   ECHO_HOST_ASSERT(s.x != nullptr, "x is required");
-  const bool any = s.m1 || s.m1_scale || s.m2 || s.m2_scale;
-  ECHO_HOST_ASSERT(!any || (s.m1 && s.m1_scale && s.m2 && s.m2_scale), "m1, m2 and their scales come together");
+  ECHO_HOST_ASSERT((s.m1 == nullptr) == (s.m2 == nullptr), "m1 and m2 come together");
   ECHO_HOST_ASSERT(!s.update_state || s.m1 != nullptr, "updating the state needs the state");
-  ECHO_HOST_ASSERT(aligned16(s.m1) && aligned16(s.m2), "the state's codes must be 16-byte aligned");
+  ECHO_HOST_ASSERT(aligned16(s.m1) && aligned16(s.m2), "the state must be 16-byte aligned");
 }
 
 // The plain instantiation of a stage applies: neither compensation nor rotation (rs = x 2^k).

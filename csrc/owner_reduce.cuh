@@ -12,7 +12,7 @@ namespace detail {
 // Resident blocks per SM: the P - 1 copies are loaded together, so the registers a thread needs grow with P;
 // these are the most blocks at which ptxas allocates every instantiation without spilling (64, 85 and 128
 // registers). Fewer resident threads are fine here: each has (P - 1) code loads in flight. The full kernel
-// also holds the own segment's state (10 registers) from the correction to the update: at P <= 4 it
+// also holds the own segment's state words (16 registers) from the correction to the update: at P <= 4 it
 // spilled at the plain kernel's bound (ptxas, 2026-12-03), so it is built for one block fewer.
 constexpr int owner_min_blocks(int world_size, bool plain) {
   return world_size <= 2 ? (plain ? 4 : 3) : (world_size <= 4 ? (plain ? 3 : 2) : 2);
@@ -36,8 +36,8 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kPlain)) owner_reduc
   load_contribution_x<T, kLanes>(a.src, own_e, lane, a.layout.numel, own_raw);
   const int k = pow2_exponent(a.pow2_amax);
   float own[kPlain ? 1 : kElemsPerThread];
-  StateRegs st;  // the own segment's state, read for c and updated below (residual "local")
-  if constexpr (!kPlain) contribution_from_raw<T, kLanes>(a.src, own_raw, own_e, lane, k, own, st);
+  StateWords m1, m2;  // the own segment's state, read for c and updated below (residual "local")
+  if constexpr (!kPlain) contribution_from_raw<T, kLanes>(a.src, own_raw, own_e, lane, k, own, m1, m2);
   Codes<kBits> copies[kWorld];
   uint16_t scale_bits[kWorld];
   uint16_t zero_bits[kWorld];
@@ -56,7 +56,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kPlain)) owner_reduc
     float t[kElemsPerThread];
     if (r == a.rank) {
       if constexpr (kPlain) {
-        contribution_from_raw<T, kLanes, true>(a.src, own_raw, own_e, lane, k, t, st);
+        contribution_from_raw<T, kLanes, true>(a.src, own_raw, own_e, lane, k, t, m1, m2);
       } else {
 #pragma unroll
         for (int i = 0; i < kElemsPerThread; ++i) t[i] = own[i];
@@ -79,7 +79,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kPlain)) owner_reduc
     // residual "local", own share: e = s_hat_scaled - acc, u = -(e 2^-k).
     float u[kElemsPerThread];
     local_residual<kBits>(codes, p, acc, k, u);
-    update_state<kLanes>(a.src, own_e, lane, st, u);
+    update_state<kLanes>(a.src, own_e, lane, m1, m2, u);
   }
 }
 

@@ -27,8 +27,8 @@ __global__ void ECHO_KERNEL_BOUNDS(1) pow2_amax_kernel(const Pow2AmaxArgs a) {
        item += items_per_pass) {
     const int64_t e = item * kGroupSize;  // the group's first element
     float v[kElemsPerThread];
-    StateRegs st;  // read only here
-    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, /*k=*/0, v, st);
+    StateWords m1, m2;  // read only here
+    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, /*k=*/0, v, m1, m2);
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) best = max(best, __float_as_uint(fabsf(v[i])));
   }

@@ -1,8 +1,8 @@
 // Stage 1, entry (push): x -> r' = rotate(x) + c -> rs = r' 2^k -> codes of the non-owned segments. The
 // correction, the rotation and the statistics live in registers only; x' is never written (paper, section
 // 5.3). The owned segment is not touched: the owner reduce forms its rs from the same inputs. With residual
-// "local" the state read for c is updated in the same pass from the codes' rounding error (about 4 bytes
-// per element: 2 read, 2 written), so no residual array and no separate update pass exist.
+// "local" the state read for c is updated in the same pass from the codes' rounding error (8 bytes per
+// element: 4 read, 4 written), so no residual array and no separate update pass exist.
 #include "echo_common.cuh"
 
 namespace echo {
@@ -69,11 +69,11 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantiz
     float v[kElemsPerThread];
     Codes<kBits> codes;
     GroupParams p;
-    StateRegs st;
+    StateWords m1, m2;
     if constexpr (kPlain && sizeof(T) == 2) {
       p = quantize_plain_group<T, kBits, kLanes>(a.src, r, e, lane, k, a.policy, v, codes);
     } else {
-      contribution_from_raw<T, kLanes, kPlain>(a.src, r, e, lane, k, v, st);
+      contribution_from_raw<T, kLanes, kPlain>(a.src, r, e, lane, k, v, m1, m2);
       p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
     }
     store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
@@ -81,7 +81,7 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kPlain>())) push_quantiz
       // residual "local" of the sent segments: the rounding error this rank added to rs.
       float u[kElemsPerThread];
       local_residual<kBits>(codes, p, v, k, u);
-      update_state<kLanes>(a.src, e, lane, st, u);
+      update_state<kLanes>(a.src, e, lane, m1, m2, u);
     }
     return true;
   };

@@ -230,7 +230,7 @@ def _scenarios(rank, world_size, shm_port):
     fwd_m1 = rt.forward_state.m1.clone()
     fwd_calls = rt.forward_state.num_calls
     (out * g).sum().backward()
-    res["forward_state_untouched_by_backward"] = (fwd_m1.equal(rt.forward_state.m1)
+    res["forward_state_untouched_by_backward"] = (torch.equal(fwd_m1, rt.forward_state.m1)
                                                   and rt.forward_state.num_calls == fwd_calls)
     res["state_calls"] = (rt.forward_state.num_calls, rt.backward_state.num_calls)
     res["states_distinct"] = rt.forward_state is not rt.backward_state
@@ -313,7 +313,7 @@ def _scenarios(rank, world_size, shm_port):
             "counts": (rt.stats.forward_calls, rt.stats.backward_calls),
             "ref_counts": ref_counts,
             "recomputed": rt.stats.recomputed_calls,
-            "forward_state_equal": rt.forward_state.m1.equal(ref_fwd_state),
+            "forward_state_equal": torch.equal(rt.forward_state.m1, ref_fwd_state),
             "fallbacks": rt.stats.recompute_fallbacks,
             "cache_left": sum(len(s.cache) for s in rt.sites),
         }

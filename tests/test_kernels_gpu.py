@@ -131,38 +131,23 @@ def make_comp(residual="output", gain=0.75, blend=0.35, slow=0.7, fast=0.3):
 
 
 def random_state(layout, gen, scale=1e-2):
-    """m1 or m2 as the kernels hold it (compensator.StoredAverage: int8 codes [padded / g, g] and fp32
-    scales [padded / g]) of random groups."""
-    from echo_ds.compensator import store_state
+    """m1 or m2 as the kernels hold it: compensator.kStateDtype (bf16) [padded], random groups."""
+    from echo_ds.compensator import kStateDtype
 
     g = layout.group_size
-    return store_state(random_groups(layout.padded_numel // g, g, gen) * scale)
-
-
-def shaped(avg, shape):
-    """A StoredAverage viewed with codes of ``shape`` (the group last) and scales of ``shape[:-1]``."""
-    from echo_ds.compensator import StoredAverage
-
-    return StoredAverage(avg.codes.view(shape), avg.scale.view(tuple(shape)[:-1]))
-
-
-def assert_state(actual, expected, what):
-    """Two StoredAverages bitwise equal (codes and scales), whatever their views."""
-    assert_same(actual.codes.reshape(-1), expected.codes.reshape(-1), f"{what} codes")
-    assert_same(actual.scale.reshape(-1), expected.scale.reshape(-1), f"{what} scales")
+    return (random_groups(layout.padded_numel // g, g, gen).reshape(-1) * scale).to(kStateDtype)
 
 
 def expected_state(comp, m1, m2, u, segments):
     """The state the kernels must leave: Compensator.update(u) on ``segments`` (indices of dim 0 of the
-    [P, G, g] views), the old state elsewhere. m1, m2: the state before the call."""
+    [P, G, g] views), the old state elsewhere. m1, m2: the flat state before the call."""
     shape = u.shape
     ref = make_comp(comp.residual, comp.cfg.gain, comp.cfg.blend, comp.cfg.slow_decay, comp.cfg.fast_decay)
-    ref.m1, ref.m2 = shaped(m1, shape).clone(), shaped(m2, shape).clone()
+    ref.m1, ref.m2 = m1.view(shape).clone(), m2.view(shape).clone()
     ref.update(u)
-    e1, e2 = shaped(m1, shape).clone(), shaped(m2, shape).clone()
-    for e, r in ((e1, ref.m1), (e2, ref.m2)):
-        e.codes[segments], e.scale[segments] = r.codes[segments], r.scale[segments]
-    return e1, e2
+    e1, e2 = m1.view(shape).clone(), m2.view(shape).clone()
+    e1[segments], e2[segments] = ref.m1[segments], ref.m2[segments]
+    return e1.reshape(-1), e2.reshape(-1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,14 +164,14 @@ def ref_pow2(amax):
 
 def ref_contribution(x, layout, spec, comp_mode, pow2, gen):
     """rs = (rotate(x) + c) 2^k [P, G, g] as the reference forms it, k, the kernels' keywords (comp_mode
-    "state": a random state m1, m2 the kernels may update in place, and its coefficients) and the
+    "state": a random bf16 state m1, m2 the kernels may update in place, and its coefficients) and the
     state before the call (comp, m1, m2) or None."""
     comp = make_comp()
     kw, before = {}, None
     r = ref_rotated(x, layout, spec)
     if comp_mode == "state":
         m1, m2 = random_state(layout, gen), random_state(layout, gen)
-        comp.m1, comp.m2 = shaped(m1, r.shape).clone(), shaped(m2, r.shape).clone()
+        comp.m1, comp.m2 = m1.view(r.shape).clone(), m2.view(r.shape).clone()
         r = r + comp.correction(r.shape, r.device)
         kw = dict(m1=m1, m2=m2, coeffs=comp)
         before = (comp, m1.clone(), m2.clone())
@@ -253,8 +238,8 @@ def entry_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, gen,
             err = C.dequantize_segments(codes, scale, zero, spec) - rs[others]
             u[others] = -(err * 2.0**-k) if k else -err
             m1, m2 = expected_state(comp, m1, m2, u, others)
-        assert_state(kw["m1"], m1, "m1 after the entry")
-        assert_state(kw["m2"], m2, "m2 after the entry")
+        assert_same(kw["m1"], m1, "m1 after the entry")
+        assert_same(kw["m2"], m2, "m2 after the entry")
 
 
 ENTRY_CASES = list(itertools.product(DTYPES, BITS, POLICIES, (False, True), GROUP_SIZES))
@@ -366,7 +351,7 @@ def test_pow2_amax(ops, dtype, rotation, comp_mode):
     kw = {}
     if comp_mode == "state":
         m1, m2 = random_state(layout, gen, scale=1.0), random_state(layout, gen, scale=1.0)
-        comp.m1, comp.m2 = shaped(m1, r.shape).clone(), shaped(m2, r.shape).clone()
+        comp.m1, comp.m2 = m1.view(r.shape).clone(), m2.view(r.shape).clone()
         r = r + comp.correction(r.shape, r.device)
         kw = dict(m1=m1, m2=m2, coeffs=comp)
     out = poison_f32(1)
@@ -419,8 +404,8 @@ def owner_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, tile
             err = C.dequantize_segments(codes, scale, zero, spec)[0] - acc
             u[rank] = -(err * 2.0**-k) if k else -err
             m1, m2 = expected_state(comp, m1, m2, u, [rank])
-        assert_state(kw["m1"], m1, "m1 after the owner reduce")
-        assert_state(kw["m2"], m2, "m2 after the owner reduce")
+        assert_same(kw["m1"], m1, "m1 after the owner reduce")
+        assert_same(kw["m2"], m2, "m2 after the owner reduce")
 
 
 REDUCE_CASES = list(itertools.product(WORLD_SIZES, BITS, POLICIES, GROUP_SIZES))
@@ -540,7 +525,7 @@ def test_dequantize_updates_output_residual(ops, dtype, bits, rotation, g):
     comp = make_comp(gain=0.8, blend=0.3, slow=0.9, fast=0.2)
     r = ref_rotated(x, layout, spec)
     m1, m2 = random_state(layout, gen), random_state(layout, gen)
-    comp.m1, comp.m2 = shaped(m1, r.shape).clone(), shaped(m2, r.shape).clone()
+    comp.m1, comp.m2 = m1.view(r.shape).clone(), m2.view(r.shape).clone()
     r = r + comp.correction(r.shape, r.device)
     codes, scale, zero = C.quantize_segments(random_groups(P * G, g, gen).view(P, G, g), spec)
     amax = torch.tensor([123.0], device=dev()) if i % 2 else None
@@ -560,8 +545,8 @@ def test_dequantize_updates_output_residual(ops, dtype, bits, rotation, g):
                            coeffs=comp)
     torch.cuda.synchronize()
     assert_same(y, y_ref, "y")
-    assert_state(m1, e1, "m1")
-    assert_state(m2, e2, "m2")
+    assert_same(m1, e1, "m1")
+    assert_same(m2, e2, "m2")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -569,7 +554,7 @@ def test_dequantize_updates_output_residual(ops, dtype, bits, rotation, g):
 # ----------------------------------------------------------------------------------------------------
 
 def kernel_all_reduce(ops, parts, spec, state, coeffs, residual, pow2):
-    """One Echo all-reduce of P emulated ranks through the kernels; state: per-rank [m1, m2], updated
+    """One Echo all-reduce of P emulated ranks through the kernels; state: per-rank [m1, m2] (bf16), updated
     by the stages as the transport runs them (entry and owner reduce: "local"; dequantize: "output")."""
     P = parts.shape[0]
     x_shape = parts.shape[1:]
@@ -633,9 +618,10 @@ def test_all_reduce_matches_emulator(ops, case):
     layout = C.Layout(numel, P, g)
     state = None
     if comp is not None:
-        from echo_ds.compensator import zero_state
+        from echo_ds.compensator import kStateDtype
 
-        state = [[zero_state((layout.padded_numel // g, g), dev()) for _ in range(2)] for _ in range(P)]
+        state = [[torch.zeros(layout.padded_numel, dtype=kStateDtype, device=dev()) for _ in range(2)]
+                 for _ in range(P)]
     for call in range(4):
         parts = torch.stack([random_input(numel, g, dtype, gen) for _ in range(P)])
         poisoned = call == 2 and numel > 1000
@@ -648,9 +634,9 @@ def test_all_reduce_matches_emulator(ops, case):
             assert_same(ys[i], y_ref, f"call {call}: y on rank {i}")
         if comp is not None:
             for i in range(P):
-                for j, (mine, ref) in enumerate(((state[i][0], comp.m1), (state[i][1], comp.m2))):
-                    assert_state(mine, type(ref)(ref.codes[i], ref.scale[i]), f"call {call}: m{j + 1} of rank {i}")
-                assert bool(torch.isfinite(state[i][0].scale).all()), f"call {call}: the state stays finite"
+                assert_same(state[i][0], comp.m1[i].reshape(-1), f"call {call}: m1 of rank {i}")
+                assert_same(state[i][1], comp.m2[i].reshape(-1), f"call {call}: m2 of rank {i}")
+                assert bool(torch.isfinite(state[i][0].float()).all()), f"call {call}: the state stays finite"
         if poisoned:
             y0 = ys[0].reshape(-1).float()
             for pos in (517, 901):

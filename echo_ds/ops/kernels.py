@@ -24,7 +24,6 @@ import torch
 
 from echo_ds import quant as Q
 from echo_ds.collective import Layout
-from echo_ds.compensator import StoredAverage
 from echo_ds.quant import QuantSpec
 
 POLICY_CODES = {"zero_aware": 0, "symmetric": 1, "naive": 2}
@@ -185,19 +184,16 @@ def _coeffs(coeffs) -> list:
 # Stages
 # ----------------------------------------------------------------------------------------------------
 
-def _state_args(m1, m2, coeffs) -> list:
-    """m1, m2 (compensator.StoredAverage or None) and coeffs -> the binding's codes, scales and coefficients."""
+def _state_args(m1, m2, coeffs):
     if (m1 is None) != (m2 is None):
         raise ValueError("m1 and m2 come together")
-    if m1 is None:
-        return [None, None, None, None, _coeffs(coeffs)]
-    if coeffs is None:
+    if m1 is not None and coeffs is None:
         raise ValueError("compensating from the state (m1, m2) needs coeffs")
-    return [m1.codes, m1.scale, m2.codes, m2.scale, _coeffs(coeffs)]
+    return m1, m2, _coeffs(coeffs)
 
 
 def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, out: SegmentTable,
-                  m1: Optional[StoredAverage] = None, m2: Optional[StoredAverage] = None, coeffs=None,
+                  m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None, coeffs=None,
                   update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
                   group_begin: int = 0, num_groups: Optional[int] = None) -> None:
     """Stage 1 (entry / push) for groups [group_begin, group_begin + num_groups) of every sent segment.
@@ -205,23 +201,23 @@ def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpe
     x: this rank's contribution, any shape, contiguous, float32 / float16 / bfloat16 (n elements).
     out: segment table; entry j != rank receives segment j's codes and fp16 (scale, zero). The owned
         segment is not touched: owner_reduce forms it from the same x (and state).
-    m1, m2: the compensator's state (echo_ds.compensator.StoredAverage: int8 codes [>= padded], contiguous,
-        and float32 scales [>= padded / g], any leading shape); coeffs: a Compensator or its coefficients.
+    m1, m2: bfloat16 [>= padded] compensator state (echo_ds.compensator.kStateDtype); coeffs: a
+        Compensator or its coefficients.
     update_state: residual "local": fold the sent groups' rounding error into m1, m2 in place
         (Compensator.update of those elements).
     pow2_amax: float32 [1] on the device, max |r'| over all ranks (None: no rescaling).
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
-    *state, k = _state_args(m1, m2, coeffs)
+    m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(x.device):
-        ops.push_quantize(x, *state, *_table_args(out, world_size, x.device), bool(update_state), pow2_amax,
+        ops.push_quantize(x, m1, m2, *_table_args(out, world_size, x.device), bool(update_state), pow2_amax,
                           rank, world_size, spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn,
                           k, group_begin, -1 if num_groups is None else num_groups, _stream(x.device))
 
 
 def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, copies: SegmentTable,
-                 out: SegmentTable, m1: Optional[StoredAverage] = None, m2: Optional[StoredAverage] = None,
+                 out: SegmentTable, m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
                  coeffs=None, update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
                  group_begin: int = 0, num_groups: Optional[int] = None) -> None:
     """Stage 2 (owner reduce) for groups [group_begin, group_begin + num_groups) of the owned segment.
@@ -234,9 +230,9 @@ def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
-    *state, k = _state_args(m1, m2, coeffs)
+    m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(x.device):
-        ops.owner_reduce(x, *state, *_table_args(copies, world_size, x.device),
+        ops.owner_reduce(x, m1, m2, *_table_args(copies, world_size, x.device),
                          *_table_args(out, world_size, x.device), bool(update_state), pow2_amax, rank, world_size,
                          spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn, k, group_begin,
                          -1 if num_groups is None else num_groups, _stream(x.device))
@@ -246,7 +242,7 @@ def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered:
                pow2_amax: Optional[torch.Tensor] = None, segment_begin: int = 0,
                num_segments: Optional[int] = None, group_begin: int = 0,
                num_groups: Optional[int] = None, x: Optional[torch.Tensor] = None,
-               m1: Optional[StoredAverage] = None, m2: Optional[StoredAverage] = None, coeffs=None) -> None:
+               m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None, coeffs=None) -> None:
     """Stage 3 (gather / tail): y of segments [segment_begin, +num_segments), groups [group_begin, +num_groups).
 
     out: the result y, any shape, contiguous, float32 / float16 / bfloat16 (n elements; its numel fixes
@@ -260,21 +256,21 @@ def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered:
     hs, hn = _hadamard_args(spec)
     if (x is None) != (m1 is None):
         raise ValueError("dequantize: the state update needs x and the state (m1, m2) together")
-    *state, k = _state_args(m1, m2, coeffs)
+    m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(out.device):
         ops.dequantize(out, *_table_args(gathered, world_size, out.device), pow2_amax, world_size, spec.group_size,
                        spec.bits, hs, hn, segment_begin, -1 if num_segments is None else num_segments, group_begin,
-                       -1 if num_groups is None else num_groups, x, *state, k, _stream(out.device))
+                       -1 if num_groups is None else num_groups, x, m1, m2, k, _stream(out.device))
 
 
 def pow2_amax(x: torch.Tensor, amax_out: torch.Tensor, *, world_size: int, spec: QuantSpec,
-              m1: Optional[StoredAverage] = None, m2: Optional[StoredAverage] = None, coeffs=None) -> None:
+              m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None, coeffs=None) -> None:
     """amax_out (float32 [1]) = max |rotate(x) + c| over this rank's padded tensor (NaN propagates).
 
     Reduce it over the ranks (all_reduce MAX) before handing it to the stages as ``pow2_amax``.
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
-    *state, k = _state_args(m1, m2, coeffs)
+    m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(x.device):
-        ops.pow2_amax(x, amax_out, *state, world_size, spec.group_size, hs, hn, k, _stream(x.device))
+        ops.pow2_amax(x, amax_out, m1, m2, world_size, spec.group_size, hs, hn, k, _stream(x.device))
