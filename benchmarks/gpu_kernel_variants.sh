@@ -16,7 +16,7 @@
 set -u
 OUT=${OUT:-/tmp/echo_out}
 mkdir -p "$OUT"
-ROWS=${VARIANT_ROWS:-copy,entry,entry+corr,entry+rot,owner_reduce,dequantize,dequantize+rot}
+ROWS=${VARIANT_ROWS:-copy,entry,entry+comp,entry+rot,owner_reduce,dequantize,dequantize+rot}
 source benchmarks/gpu_env.sh
 
 build_one() {  # name, flags

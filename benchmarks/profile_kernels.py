@@ -43,7 +43,7 @@ def main():
     spec_rot = QuantSpec(bits=4, group_size=G_SIZE, policy="zero_aware", rotation=True)
     coeffs = E.CompensatorCoefficients.of(Compensator(DirectionConfig()))
     b = stage_buffers(n, spec, dev)
-    layout, x, m1, m2, corr, send, gathered = b.layout, b.x, b.m1, b.m2, b.corr, b.send, b.gathered
+    layout, x, m1, m2, send, gathered = b.layout, b.x, b.m1, b.m2, b.send, b.gathered
     y, out_tab, gat_tab = b.y, b.out_tab, b.gat_tab
     E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab)
     for j in range(1, P):
@@ -54,7 +54,6 @@ def main():
 
     ops = {
         "entry": entry(),
-        "entry_corr": entry(correction=corr),
         "entry_comp": entry(m1=m1, m2=m2, coeffs=coeffs),
         "entry_rot": entry(spec_rot),
         "owner_reduce": lambda: E.owner_reduce(x, rank=0, world_size=P, spec=spec,

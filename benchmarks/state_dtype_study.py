@@ -1,27 +1,27 @@
-"""What storing the compensator's state in fewer bytes costs in accuracy (issue 4's state-dtype trade-off).
+"""What storing the compensator's state in fewer bytes costs in accuracy (the choice of the state format).
 
-The compensator keeps two fp32 moving averages (m1, m2) per rank, and the fused entry reads either both
-(8 bytes/element) or the correction c precomputed from them by the previous update (4 bytes/element).
-This study keeps the arithmetic in fp32 and rounds what would be *stored* through a narrower format after
-every update (or, for the ``corr_*`` variants, only the precomputed correction the entry would read):
+The compensator keeps two moving averages (m1, m2) per rank; the library stores them as bf16 and computes
+in fp32 (echo_ds/compensator.py, "Storage"). This study compares that with the arithmetic in fp32 and what
+is *stored* rounded through other formats after every update (or, for ``corr_bf16``, only a precomputed
+correction):
 
-    fp32           the shipped state (reference numbers)
+    shipped        the library's own Compensator (bf16 m1, m2; non-finite stored as +0)
+    fp32           no rounding at all (the format before the bf16 storage)
     bf16, fp16     m1, m2 rounded to nearest even after each update (2 bytes/element each)
-    int8           m1, m2 as 8-bit symmetric codes per group of the collective's g, fp16 scale per group
-                   (the library's own quantizer; ~1 byte/element each, as LoCo keeps its error buffers)
-    corr_bf16      fp32 state; the correction c rounded to bf16 before it is added (a 2-byte c read
-                   by the entry instead of a 4-byte one)
+    int8           m1, m2 as 8-bit symmetric codes per group through the collective's own quantizer (fp16
+                   scale and zero point, as LoCo keeps its error buffers; ~1 byte/element each)
+    corr_bf16      fp32 state; the correction c rounded to bf16 before it is added
 
 Everything else is ``python -m echo_ds.eval perplexity``, plus the relative error of every emulated
 all-reduce against the exact sum (sqrt of summed squared errors over summed squared sums, all sites and
-sequences): a less noisy measure than perplexity of what the storage does to the collective: SmolLM2-135M, emulated TP at P = 4, the same
-4096 tokens, KL and top-1 against the 16-bit model. Run from the repository root (CPU, ~2 s per pass):
+sequences): a less noisy measure than perplexity of what the storage does to the collective. SmolLM2-135M,
+emulated TP at P = 4, the same 4096 tokens, KL and top-1 against the 16-bit model. Run from the repository
+root (CPU):
 
     python benchmarks/state_dtype_study.py --json docs/results/state_dtype_study.json
 
-The variants live here, not in the library: the kernels and the reference implement the fp32 state only.
+The variants other than "shipped" live here, not in the library.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -41,7 +41,7 @@ from echo_ds.compensator import Compensator  # noqa: E402
 from echo_ds.eval import perplexity as PPL  # noqa: E402
 from echo_ds.eval.tp_emulation import TPEmulator  # noqa: E402
 
-STORAGES = ("fp32", "bf16", "fp16", "int8", "corr_bf16")
+STORAGES = ("shipped", "fp32", "bf16", "fp16", "int8", "corr_bf16")
 DEFAULT_CONFIGS = (
     "ds_configs/eval/4bit_hadamard_local_gain1.0_g128.json",  # the shipped default (residual local)
     "ds_configs/eval/4bit_full.json",                         # the paper's method (residual output)
@@ -64,20 +64,28 @@ def round_through(t: torch.Tensor, storage: str) -> torch.Tensor:
 
 
 class StoredStateCompensator(Compensator):
-    """A Compensator whose state (or correction) is rounded through ``storage`` as if kept in it."""
+    """The compensator's arithmetic with an fp32 state rounded through ``storage`` after every update (or,
+    for corr_bf16, its correction), as if kept in it. "shipped" is the library's own Compensator and needs
+    no subclass."""
 
     def __init__(self, cfg, storage: str, telemetry: bool = False):
         super().__init__(cfg, telemetry)
         self.storage = storage
 
+    def _ensure(self, shape, device) -> None:
+        if self.m1 is None or tuple(self.m1.shape) != tuple(shape):
+            self.m1 = torch.zeros(tuple(shape), dtype=torch.float32, device=device)
+            self.m2 = torch.zeros(tuple(shape), dtype=torch.float32, device=device)
+
     def correction(self, shape, device) -> torch.Tensor:
-        c = super().correction(shape, device)
+        self._ensure(shape, device)
+        c = ((self.m1 * self.blend) + (self.m2 * self.one_minus_blend)) * self.gain
         return round_through(c, "bf16") if self.storage == "corr_bf16" else c
 
     def update(self, u: torch.Tensor) -> None:
-        super().update(u)
-        self.m1 = round_through(self.m1, self.storage)
-        self.m2 = round_through(self.m2, self.storage)
+        self.m1 = round_through(self.m1 * self.slow_decay + u * self.one_minus_slow, self.storage)
+        self.m2 = round_through(self.m2 * self.fast_decay + u * self.one_minus_fast, self.storage)
+        self.num_calls += 1
 
 
 class StudyEmulator(TPEmulator):
@@ -100,7 +108,7 @@ class StudyEmulator(TPEmulator):
     def _op(self, direction: str):
         fresh = direction not in self._ops
         op = super()._op(direction)
-        if fresh and op.compensator is not None:
+        if fresh and op.compensator is not None and self.storage_of[id(self.config)] != "shipped":
             storage = self.storage_of[id(self.config)]
             old = op.compensator
             op.compensator = StoredStateCompensator(old.cfg, storage, telemetry=old.telemetry)
