@@ -174,21 +174,32 @@ def _time_graph(buf, x, spec, comp, iters, reps):
     return _median_spread(secs[1:])  # the first replay uploads the graph
 
 
-def sweep_body(rank, world_size, args):
+def _time_copy(x, iters):
+    """Seconds of a device copy of x's bytes (median over ``iters``): the floor of anything that reads x and
+    writes a result of its size."""
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    secs = []
+    for _ in range(iters):
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        secs.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(secs)
+
+
+def _sweep(buf, rank, P, dev, spec, args):
     from echo_ds.compensator import make_compensator
     from echo_ds.config import DirectionConfig
     from echo_ds.emulate import emulated_echo_all_reduce
-    from echo_ds.p2p import EchoBuffer
-    from echo_ds.quant import QuantSpec
     from tests.p2p_suite import all_same, digest, same_bits
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dev = torch.device("cuda", torch.cuda.current_device())
-    P = world_size
-    max_numel = args["max_bytes"] // 2
-    buf = EchoBuffer(max_numel=max_numel, tile_bytes=args["tile_bytes"], stages=args["stages"])
-    assert buf.active, buf.reason
-    spec = QuantSpec(4, 128, rotation=args["rotation"] == "hadamard")
+    if buf._runtime is not None:
+        stages = "one launch"
+    else:
+        stages = "staged kernels" if buf._ops is not None else "staged torch"
     rows = []
     size = args["min_bytes"]
     while size <= args["max_bytes"]:
@@ -204,7 +215,7 @@ def sweep_body(rank, world_size, args):
         oks = [None] * P
         dist.all_gather_object(oks, ok)
         del parts
-        row = {"P": P, "bytes": size, "stages": "kernels" if buf._ops is not None else "torch", "ok": all(oks)}
+        row = {"P": P, "bytes": size, "stages": stages, "ok": all(oks), "copy_s": _time_copy(x, args["iters"])}
         for label, comp in (("plain", None), ("compensated", make_compensator(DirectionConfig()))):
             secs, host = _time_calls(buf, x, spec, comp, args["warmup"], args["iters"])
             med, lo, hi = _median_spread(secs)
@@ -214,9 +225,28 @@ def sweep_body(rank, world_size, args):
                 row[label].update(graph_median_s=g_med, graph_min_s=g_lo, graph_max_s=g_hi)
         rows.append(row)
         size *= args["factor"]
+    return rows
+
+
+def sweep_body(rank, world_size, args):
+    from echo_ds.p2p import EchoBuffer
+    from echo_ds.quant import QuantSpec
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    P = world_size
+    max_numel = args["max_bytes"] // 2
+    spec = QuantSpec(4, 128, rotation=args["rotation"] == "hadamard")
+    rows = []
+    for stages in args["stages"]:  # side by side in one run: one buffer per pipeline, one after the other
+        buf = EchoBuffer(max_numel=max_numel, tile_bytes=args["tile_bytes"], stages=stages)
+        assert buf.active, buf.reason
+        rows += _sweep(buf, rank, P, dev, spec, args)
+        buf.close()
     # Tile sweep at one size.
     tiles = []
-    if args["tile_sweep_bytes"]:
+    if args["tile_sweep_bytes"]:  # the staged pipeline's tile size
+        buf = EchoBuffer(max_numel=max_numel, tile_bytes=args["tile_bytes"], stages="kernels")
         n = args["tile_sweep_bytes"] // 2
         x = torch.randn(n, device=dev).to(torch.bfloat16)
         for tb in args["tile_sweep"]:
@@ -228,7 +258,7 @@ def sweep_body(rank, world_size, args):
             sched = next(iter(buf._schedules.values()))
             tiles.append({"tile_bytes": tb, "num_tiles": sched.tiling.num_tiles, "median_s": med, "min_s": lo,
                           "max_s": hi, "host_median_s": statistics.median(host)})
-    buf.close()
+        buf.close()
     return {"rows": rows, "tiles": tiles}
 
 
@@ -244,7 +274,9 @@ def main(argv=None):
     ap.add_argument("--factor", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--stages", default="auto")
+    ap.add_argument("--stages", default="kernels,fused",
+                    help="EchoBuffer stages to compare, one buffer each (fused: the one-launch call at every size; "
+                         "kernels: the staged kernels; auto: the default choice between them)")
     ap.add_argument("--tile-bytes", type=int, default=None, help="default: EchoBuffer's")
     ap.add_argument("--tile-sweep-bytes", type=int, default=64 * MIB, help="message size of the tile sweep (0: none)")
     ap.add_argument("--tile-sweep", default=f"{256 * 1024},{MIB},{4 * MIB},{16 * MIB},0")
@@ -258,7 +290,7 @@ def main(argv=None):
     from echo_ds.p2p.buffer import kDefaultTileBytes
 
     cfg = {"min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor, "warmup": args.warmup,
-           "iters": args.iters, "stages": args.stages, "graph_reps": args.graph_reps, "rotation": args.rotation,
+           "iters": args.iters, "stages": args.stages.split(","), "graph_reps": args.graph_reps, "rotation": args.rotation,
            "tile_bytes": kDefaultTileBytes if args.tile_bytes is None else args.tile_bytes,
            "tile_sweep_bytes": args.tile_sweep_bytes, "tile_sweep": [int(v) for v in args.tile_sweep.split(",")]}
     report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "date": time.strftime(
@@ -284,23 +316,41 @@ def main(argv=None):
         res = run_distributed(sweep_body, P, dict(cfg, tile_sweep_bytes=cfg["tile_sweep_bytes"] if P == world_sizes[-1]
                                                   else 0), timeout=600)[0]
         report["sweeps"][P] = res
-        print(f"\nEcho all-reduce, P = {P} ranks, bf16, 4-bit, g = 128, zero_aware, rotation {args.rotation}, "
-              f"compensated: the default forward direction (residual local); stages: "
-              f"{res['rows'][0]['stages'] if res['rows'] else '?'}; tile {_fmt_bytes(cfg['tile_bytes'])}; "
-              f"median of {args.iters} (min..max); host = host time to issue one call")
-        print("| size | time | algbw | busbw | host | compensated time | graph | compensated graph | "
-              "graph ratio | correct |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+        by_stages = {}
         for r in res["rows"]:
-            p, c = r["plain"], r["compensated"]
-            algbw = r["bytes"] / p["median_s"] / 1e9
-            busbw = algbw * 2 * (P - 1) / P
-            graph = ("| - | - | - " if "graph_median_s" not in p else
-                     f"| {p['graph_median_s'] * 1e6:.1f} us | {c['graph_median_s'] * 1e6:.1f} us "
-                     f"| {c['graph_median_s'] / p['graph_median_s']:.2f}x ")
-            print(f"| {_fmt_bytes(r['bytes'])} | {p['median_s'] * 1e6:.1f} us ({p['min_s'] * 1e6:.0f}..{p['max_s'] * 1e6:.0f}) "
-                  f"| {algbw:.1f} GB/s | {busbw:.1f} GB/s | {p['host_median_s'] * 1e6:.0f} us "
-                  f"| {c['median_s'] * 1e6:.1f} us {graph}| {'yes' if r['ok'] else 'NO'} |")
+            by_stages.setdefault(r["stages"], []).append(r)
+        for stages, rows in by_stages.items():
+            print(f"\nEcho all-reduce, P = {P} ranks, bf16, 4-bit, g = 128, zero_aware, rotation {args.rotation}, "
+                  f"compensated: the default forward direction (residual local); {stages}; "
+                  f"median of {args.iters} (min..max); host = host time to issue one call; graph = per call of "
+                  f"{args.graph_reps} back-to-back calls replayed from one CUDA graph; copy = a device copy of "
+                  f"the message")
+            print("| size | eager | algbw | busbw | host | compensated eager | compensated host | graph | "
+                  "compensated graph | graph ratio | copy | correct |")
+            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+            for r in rows:
+                p, c = r["plain"], r["compensated"]
+                algbw = r["bytes"] / p["median_s"] / 1e9
+                busbw = algbw * 2 * (P - 1) / P
+                graph = ("| - | - | - " if "graph_median_s" not in p else
+                         f"| {p['graph_median_s'] * 1e6:.1f} us | {c['graph_median_s'] * 1e6:.1f} us "
+                         f"| {c['graph_median_s'] / p['graph_median_s']:.2f}x ")
+                print(f"| {_fmt_bytes(r['bytes'])} | {p['median_s'] * 1e6:.1f} us ({p['min_s'] * 1e6:.0f}.."
+                      f"{p['max_s'] * 1e6:.0f}) | {algbw:.1f} GB/s | {busbw:.1f} GB/s | {p['host_median_s'] * 1e6:.0f} us "
+                      f"| {c['median_s'] * 1e6:.1f} us | {c['host_median_s'] * 1e6:.0f} us {graph}"
+                      f"| {r['copy_s'] * 1e6:.1f} us | {'yes' if r['ok'] else 'NO'} |")
+        if len(by_stages) > 1 and args.graph_reps:
+            names = list(by_stages)
+            print(f"\nGraph replay per call, P = {P}: {names[0]} against {names[-1]} (same run)")
+            print(f"| size | {names[0]} | {names[-1]} | ratio | compensated {names[0]} | compensated {names[-1]} "
+                  f"| ratio |")
+            print("|---:|---:|---:|---:|---:|---:|---:|")
+            for a, b in zip(by_stages[names[0]], by_stages[names[-1]]):
+                cells = []
+                for label in ("plain", "compensated"):
+                    ta, tb = a[label]["graph_median_s"], b[label]["graph_median_s"]
+                    cells.append(f"{ta * 1e6:.1f} us | {tb * 1e6:.1f} us | {tb / ta:.2f}x")
+                print(f"| {_fmt_bytes(a['bytes'])} | " + " | ".join(cells) + " |")
         if res["tiles"]:
             print(f"\nTile size at {_fmt_bytes(cfg['tile_sweep_bytes'])} (P = {P}):")
             print("| tile bytes | tiles | time | host |")

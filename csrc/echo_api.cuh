@@ -188,4 +188,95 @@ struct Pow2AmaxArgs {
 };
 void launch_pow2_amax(const Pow2AmaxArgs& args, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------------
+// The whole call in one launch over peer memory (p2p_all_reduce.cu): entry, owner reduce and dequantize
+// of a block's groups, ordered across ranks by 64-bit flags in each rank's exported flag area.
+// ---------------------------------------------------------------------------------------------------
+// Most blocks of one launch (the flag arrays are sized by it). The launcher caps its grid at what is
+// resident at once (P2PRuntime::max_blocks), so that a block never waits for a peer block that cannot run.
+constexpr int kP2PMaxBlocks = 256;
+
+// Error-record stage ids (echo_ds/p2p/protocol.py, kWait*), and codes.
+constexpr uint32_t kP2PWaitAmax = 0;
+constexpr uint32_t kP2PWaitReduce = 1;
+constexpr uint32_t kP2PWaitTail = 2;
+constexpr uint32_t kP2PErrorTimeout = 1;
+constexpr uint32_t kP2PErrorAborted = 2;
+
+// The flag area of one rank (inside its exported signal memory), written by its peers. Block b of rank s
+// publishes push[s][b] on owner j when its codes of owner j's segment are in j's push slot for s; block b
+// of owner o publishes gather[o][b] on every rank when its reduced codes are in that rank's gather slot
+// for o. A flag holds the call's epoch (1, 2, ...: P2PControl::epoch + 1), which only grows: a waiter is
+// released when the flag EQUALS the value it expects, and a flag never goes back to 0.
+struct P2PFlags {
+  uint64_t push[kMaxWorldSize][kP2PMaxBlocks];
+  uint64_t gather[kMaxWorldSize][kP2PMaxBlocks];
+  uint64_t amax_flag[kMaxWorldSize];  // [src]: src's max |r'| (pow2 rescaling) is in amax[src]
+  float amax[kMaxWorldSize];
+  uint32_t reserved[8];
+};
+static_assert(sizeof(P2PFlags) == 2 * 8 * kMaxWorldSize * kP2PMaxBlocks + 8 * kMaxWorldSize + 4 * kMaxWorldSize + 32,
+              "P2PFlags layout");
+
+// This rank's control block (its own device memory, never exported): the epoch of the last finished
+// call (raised by the last block of each launch, so that a CUDA graph replay raises it like an eager
+// call), the blocks' arrival counter, the poison word (a wait failed: later waits give up at once) and
+// this rank's max |r'| (written by the pow2 max pass, read by the same call's launch).
+struct P2PControl {
+  uint64_t epoch;
+  uint32_t arrivals;
+  uint32_t poisoned;
+  float amax_local;
+  uint32_t reserved[11];
+};
+static_assert(sizeof(P2PControl) == 64, "P2PControl layout");
+
+// Written by the device into mapped host memory (echo_ds/p2p/layout.py ErrorRecord: the same 64 bytes
+// as the staged transport's record). The first failing wait fills it; `code` is written last.
+struct P2PErrorRecord {
+  uint32_t code;
+  uint32_t rank;
+  uint32_t peer;
+  uint32_t stage;
+  uint32_t tile;  // the block
+  uint32_t call_index;  // low 32 bits of the epoch
+  uint32_t expected;
+  uint32_t seen;
+  uint64_t waited_ns;
+  uint32_t abort_request;  // written by the host: every wait gives up at once
+  uint32_t reserved[5];
+};
+static_assert(sizeof(P2PErrorRecord) == 64 && offsetof(P2PErrorRecord, abort_request) == 40, "P2PErrorRecord layout");
+
+struct P2PAllReduceArgs {
+  Layout layout;
+  Contribution src;  // x and the state; src.update_state is ignored (update_local / update_output say)
+  void* out;         // [numel] of x's dtype
+  int32_t rank;
+  int32_t bits;
+  Policy policy;
+  int32_t update_local;   // residual "local": the entry and the owner reduce update m1, m2
+  int32_t update_output;  // residual "output": the dequantize updates m1, m2
+  int32_t pow2;           // power-of-two rescaling: control->amax_local holds this rank's max (pow2 pass)
+  QuantTable push_out;    // [j]: owner j's push slot for this rank (j != rank)
+  QuantTable reduce_in;   // [s]: this rank's push slot for s (s != rank)
+  QuantTable reduce_out;  // [d]: rank d's gather slot for this rank (every d, this rank's own included)
+  QuantTable gathered;    // [o]: this rank's gather slot for owner o (every o)
+  P2PFlags* flags[kMaxWorldSize];  // every rank's flag area, as this process maps it
+  P2PControl* control;
+  P2PErrorRecord* error;  // device address of the mapped record
+  uint64_t timeout_ns;
+  int32_t num_blocks;
+  int32_t pad_;
+};
+void launch_p2p_all_reduce(const P2PAllReduceArgs& args, cudaStream_t stream);
+
+// A zeroed control block on the current device, and its release.
+P2PControl* p2p_alloc_control();
+void p2p_free_control(P2PControl* control);
+// Blocks of the one-launch kernel resident at once on the current device when nothing else runs: the
+// blocks per SM its launch bounds guarantee times the SMs. The grid cap divides it among the ranks that
+// share the device.
+int p2p_resident_blocks();
+
 }  // namespace echo

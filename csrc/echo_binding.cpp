@@ -282,6 +282,125 @@ void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor&
   echo::launch_pow2_amax(a, as_stream(stream));
 }
 
+// The one-launch p2p all-reduce of a group (p2p_all_reduce.cu): every rank's workspace as this process
+// maps it, this rank's control block, the error record; one all_reduce call is one binding call and at
+// most two launches (the pow2 max pass, then the call). EchoBuffer (echo_ds/p2p/buffer.py) does the
+// handshake and owns the memory the addresses point to; this object owns only its control block.
+class P2PRuntime {
+ public:
+  P2PRuntime(int64_t rank, int64_t world_size, const std::vector<int64_t>& codes, const std::vector<int64_t>& params,
+             const std::vector<int64_t>& flags, int64_t code_half_bytes, int64_t param_half_bytes,
+             int64_t error_record, int64_t timeout_ns, int64_t max_blocks)
+      : rank_(rank), world_size_(world_size), code_half_(code_half_bytes), param_half_(param_half_bytes),
+        timeout_ns_(timeout_ns) {
+    TORCH_CHECK(world_size == 2 || world_size == 4 || world_size == 8,
+                "P2PRuntime: the one-launch transport is built for 2, 4 or 8 ranks, got ", world_size);
+    TORCH_CHECK(rank >= 0 && rank < world_size, "P2PRuntime: rank ", rank, " outside [0, ", world_size, ")");
+    TORCH_CHECK(static_cast<int64_t>(codes.size()) == world_size && static_cast<int64_t>(params.size()) == world_size &&
+                    static_cast<int64_t>(flags.size()) == world_size,
+                "P2PRuntime: codes, params and flags need one address per rank");
+    for (int64_t j = 0; j < world_size; ++j) {
+      TORCH_CHECK(codes[j] % 256 == 0 && params[j] % 256 == 0 && flags[j] % 256 == 0 && codes[j] && params[j] && flags[j],
+                  "P2PRuntime: rank ", j, "'s buffers must be non-null and 256-byte aligned");
+      codes_[j] = reinterpret_cast<uint8_t*>(codes[j]);
+      params_[j] = reinterpret_cast<uint8_t*>(params[j]);
+      flags_[j] = reinterpret_cast<echo::P2PFlags*>(flags[j]);
+    }
+    TORCH_CHECK(error_record != 0, "P2PRuntime: the error record is required");
+    TORCH_CHECK(timeout_ns > 0, "P2PRuntime: timeout_ns must be positive");
+    TORCH_CHECK(max_blocks >= 1 && max_blocks <= echo::kP2PMaxBlocks, "P2PRuntime: max_blocks must be in [1, ",
+                echo::kP2PMaxBlocks, "], got ", max_blocks);
+    error_ = reinterpret_cast<echo::P2PErrorRecord*>(error_record);
+    max_blocks_ = max_blocks;
+    control_ = echo::p2p_alloc_control();
+  }
+  ~P2PRuntime() {
+    try {
+      close();
+    } catch (...) {  // a destructor must not throw (after a device fault cudaFree reports the sticky error)
+    }
+  }
+  P2PRuntime(const P2PRuntime&) = delete;
+  P2PRuntime& operator=(const P2PRuntime&) = delete;
+
+  void close() {
+    if (control_ != nullptr) {
+      echo::p2p_free_control(control_);
+      control_ = nullptr;
+    }
+  }
+
+  // y = the Echo all-reduce of x over the group (same bits as echo_ds.reference). residual: 0 none (no
+  // state), 1 "local", 2 "output"; m1, m2 the state (bf16, padded length) when residual != 0.
+  void all_reduce(const at::Tensor& x, const at::Tensor& y, const OptTensor& m1, const OptTensor& m2,
+                  const std::vector<double>& coeffs, int64_t residual, bool pow2, int64_t group_size, int64_t bits,
+                  int64_t policy, const std::vector<int64_t>& hadamard_signs, double hadamard_norm, int64_t stream) {
+    TORCH_CHECK(control_ != nullptr, "P2PRuntime: closed");
+    check_tensor(x, "x");
+    check_tensor(y, "y");
+    TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.numel() == x.numel(), "y must have x's dtype and numel");
+    TORCH_CHECK(residual >= 0 && residual <= 2, "residual must be 0 (none), 1 (local) or 2 (output)");
+    TORCH_CHECK((residual != 0) == present(m1), "the state (m1, m2) comes with a residual, and only then");
+    check_bits(bits);
+    echo::P2PAllReduceArgs a{};
+    a.layout = make_layout(x.numel(), world_size_, group_size);
+    a.src = make_contribution(x, m1, m2, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
+    a.out = y.data_ptr();
+    a.rank = static_cast<int32_t>(rank_);
+    a.bits = static_cast<int32_t>(bits);
+    a.policy = policy_of(policy);
+    a.update_local = residual == 1;
+    a.update_output = residual == 2;
+    a.pow2 = pow2 ? 1 : 0;
+    const int64_t G = a.layout.groups_per_segment;
+    const int64_t code_stride = round_up(G * echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits)), 256);
+    const int64_t param_stride = round_up(4 * G, 256);
+    TORCH_CHECK(world_size_ * code_stride <= code_half_ && world_size_ * param_stride <= param_half_,
+                "P2PRuntime: a message of ", x.numel(), " elements does not fit the workspace");
+    const auto slot = [&](echo::QuantTable& t, int idx, int owner, int64_t index, bool gather) {
+      uint8_t* c = codes_[owner] + (gather ? code_half_ : 0) + index * code_stride;
+      uint8_t* p = params_[owner] + (gather ? param_half_ : 0) + index * param_stride;
+      t.codes[idx] = c;
+      t.scales[idx] = reinterpret_cast<uint16_t*>(p);
+      t.zeros[idx] = reinterpret_cast<uint16_t*>(p + 2 * G);
+    };
+    const int me = static_cast<int>(rank_);
+    for (int j = 0; j < world_size_; ++j) {
+      if (j != me) slot(a.push_out, j, j, me, false);   // owner j's push slot for me
+      if (j != me) slot(a.reduce_in, j, me, j, false);  // my push slot for sender j
+      slot(a.reduce_out, j, j, me, true);                // rank j's gather slot for me
+      slot(a.gathered, j, me, j, true);                  // my gather slot for owner j
+      a.flags[j] = flags_[j];
+    }
+    a.control = control_;
+    a.error = error_;
+    a.timeout_ns = static_cast<uint64_t>(timeout_ns_);
+    const int64_t per_block = 4096 / group_size;  // groups of one block item (256 threads, g / 16 lanes a group)
+    const int64_t wanted = (G + per_block - 1) / per_block;
+    a.num_blocks = static_cast<int32_t>(wanted < max_blocks_ ? wanted : max_blocks_);
+    if (pow2) {
+      echo::Pow2AmaxArgs p{};
+      p.layout = a.layout;
+      p.src = a.src;
+      p.amax_out = &control_->amax_local;
+      echo::launch_pow2_amax(p, as_stream(stream));
+    }
+    echo::launch_p2p_all_reduce(a, as_stream(stream));
+  }
+
+  int64_t max_blocks() const { return max_blocks_; }
+
+ private:
+  static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+  int64_t rank_, world_size_, code_half_, param_half_, timeout_ns_, max_blocks_ = 1;
+  uint8_t* codes_[echo::kMaxWorldSize] = {};
+  uint8_t* params_[echo::kMaxWorldSize] = {};
+  echo::P2PFlags* flags_[echo::kMaxWorldSize] = {};
+  echo::P2PErrorRecord* error_ = nullptr;
+  echo::P2PControl* control_ = nullptr;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -306,6 +425,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pow2_amax", &pow2_amax, py::arg("x"), py::arg("amax_out"), py::arg("m1"), py::arg("m2"),
         py::arg("world_size"), py::arg("group_size"), py::arg("hadamard_signs"),
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
+  py::class_<P2PRuntime>(m, "P2PRuntime")
+      .def(py::init<int64_t, int64_t, const std::vector<int64_t>&, const std::vector<int64_t>&,
+                    const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t, int64_t>(),
+           py::arg("rank"), py::arg("world_size"), py::arg("codes"), py::arg("params"), py::arg("flags"),
+           py::arg("code_half_bytes"), py::arg("param_half_bytes"), py::arg("error_record"), py::arg("timeout_ns"),
+           py::arg("max_blocks"))
+      .def("all_reduce", &P2PRuntime::all_reduce, py::arg("x"), py::arg("y"), py::arg("m1"), py::arg("m2"),
+           py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
+           py::arg("policy"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("stream"))
+      .def("close", &P2PRuntime::close)
+      .def_property_readonly("max_blocks", &P2PRuntime::max_blocks);
+  m.def("p2p_resident_blocks", &echo::p2p_resident_blocks);
+  m.attr("kP2PFlagsBytes") = static_cast<int64_t>(sizeof(echo::P2PFlags));
+  m.attr("kP2PMaxBlocks") = echo::kP2PMaxBlocks;
   m.attr("kMaxWorldSize") = echo::kMaxWorldSize;
   m.attr("kMinGroupSize") = echo::kMinGroupSize;
   m.attr("kMaxGroupSize") = echo::kMaxGroupSize;

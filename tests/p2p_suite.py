@@ -264,9 +264,15 @@ def suite(rank, world_size, cfg):
     assert buf.active, buf.reason
     table = buf.table
     assert len(table) == 3 * P + 1 and len(set(table)) == 3 * P + 1, table
-    stages = "fused kernels of echo_ds.ops (torch for group size 16)" if buf._ops is not None else "torch"
-    if cfg.get("stages") == "kernels":
-        assert buf._ops is not None, "the fused kernels did not load"
+    if buf._runtime is not None:
+        stages = (f"one launch per call (echo_ds.ops P2PRuntime, grid <= {buf._runtime.max_blocks} blocks; the "
+                  f"staged pipeline through torch for group size 16)")
+    else:
+        stages = "staged kernels of echo_ds.ops (torch for group size 16)" if buf._ops is not None else "torch"
+    if cfg.get("stages") in ("kernels", "fused"):
+        assert buf._ops is not None, "the kernels of echo_ds.ops did not load"
+    if cfg.get("stages") == "fused":
+        assert buf._runtime is not None, "the one-launch call is off"
     out.append(f"P={P}: EchoBuffer up in {time.perf_counter() - t0:.2f} s (probe passed, table of {len(table)} "
                f"addresses, stages: {stages})")
     log(rank, out[-1])
@@ -308,9 +314,12 @@ def killed_body(rank, world_size, cfg):
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    # The transport is under test here; the torch stages need no kernel build.
-    buf = EchoBuffer(max_numel=1 << 20, timeout_s=cfg["timeout_s"], transport=cfg["transport"], stages="torch")
+    # stages "torch" (default) tests the staged transport without a kernel build; "fused" the one launch.
+    stages = cfg.get("stages", "torch")
+    buf = EchoBuffer(max_numel=1 << 20, timeout_s=cfg["timeout_s"], transport=cfg["transport"], stages=stages)
     assert buf.active, buf.reason
+    if stages == "fused":
+        assert buf._runtime is not None, "the one-launch call is off"
     if rank == P - 1:
         buf._fault = (cfg["kill_call"], "exit_after_push")
     spec = QuantSpec(4, 128)

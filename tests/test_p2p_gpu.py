@@ -59,10 +59,19 @@ def test_gpu_torch_stages():
     run_distributed(p2p_suite.suite, 2, cfg, timeout=300)
 
 
+def test_gpu_staged_kernels():
+    """The staged pipeline through the kernels of echo_ds.ops (several launches per tile), the path the
+    one-launch call replaced as the default."""
+    cfg = dict(GPU_CFG, stages="kernels", sizes=[(4097, "float32"), (1_000_003, "bfloat16")], stress_calls=200,
+               stress_sample_every=100)
+    run_distributed(p2p_suite.suite, 2, cfg, timeout=300)
+
+
+@pytest.mark.parametrize("stages", ("torch", "fused"))
 @pytest.mark.parametrize("world_size", (2, 4))
-def test_gpu_rank_killed_mid_call(world_size):
+def test_gpu_rank_killed_mid_call(world_size, stages):
     timeout_s = 2.0
-    cfg = {"transport": "cuda", "timeout_s": timeout_s, "kill_call": 5}
+    cfg = {"transport": "cuda", "timeout_s": timeout_s, "kill_call": 5, "stages": stages}
     survivors = run_with_dying_rank(p2p_suite.killed_body, world_size, cfg, timeout=120)
     for rank, r in enumerate(survivors):
         msg = r["message"]

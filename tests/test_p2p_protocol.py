@@ -165,3 +165,52 @@ def test_pow2_factors_match_the_reference_exponent():
         k = C.pow2_exponent(a.abs() if not math.isnan(v) else a)
         up, down = pow2_factors(a.abs() if not math.isnan(v) else a)
         assert up.item() == 2.0**k and down.item() == 2.0**-k, (v, k, up.item())
+
+
+# ----------------------------------------------------------------------------------------------------
+# The one-launch call's flag area and error records
+# ----------------------------------------------------------------------------------------------------
+
+def _header_constant(name: str) -> int:
+    import re
+
+    from echo_ds.ops.builder import CSRC_DIR
+
+    text = (CSRC_DIR / "echo_api.cuh").read_text()
+    m = re.search(rf"constexpr int {name} = (\d+);", text)
+    assert m, f"{name} not found in echo_api.cuh"
+    return int(m[1])
+
+
+def test_one_launch_flag_area_matches_the_kernels_header():
+    """echo_api.cuh's P2PFlags (pinned there by a static_assert) and the Python side's room for it."""
+    blocks, world = _header_constant("kP2PMaxBlocks"), _header_constant("kMaxWorldSize")
+    assert (blocks, world) == (L.kFusedMaxBlocks, L.kMaxWorld)
+    # push and gather [world][blocks] uint64, amax_flag [world] uint64, amax [world] float, 8 reserved words
+    assert L.kFusedFlagsBytes == 2 * 8 * world * blocks + 8 * world + 4 * world + 32
+    assert L.signal_bytes() == L.kFusedFlagsOffset + L.kFusedFlagsBytes
+    assert L.kFusedFlagsOffset >= ctypes_sizeof_signals() and L.kFusedFlagsOffset % 256 == 0
+
+
+def ctypes_sizeof_signals() -> int:
+    import ctypes
+
+    return ctypes.sizeof(L.Signals)
+
+
+def test_one_launch_failure_names_block_and_call():
+    f = proto.WaitFailure(proto.kErrorTimeout, 1, 3, proto.kWaitReduce, 17, 42, 42, 41, int(2.5e9), one_launch=True)
+    msg = proto.describe_failure(f, 2.0, 4)
+    assert "rank 1 of 4" in msg and "rank 3" in msg and "block 17 of call 42" in msg, msg
+    assert "the flag holds call 41" in msg and "reduce (waiting for push)" in msg, msg
+    fresh = proto.describe_failure(proto.WaitFailure(proto.kErrorAborted, 0, 1, proto.kWaitTail, 0, 1, 1, 0, 5,
+                                                     one_launch=True), 2.0, 2)
+    assert "abandoned" in fresh and "never written" in fresh, fresh
+
+
+@pytest.mark.parametrize("bad", (-1, 1.5, True, "16M"))
+def test_one_launch_max_bytes_is_checked(bad):
+    from echo_ds.p2p import EchoBuffer
+
+    with pytest.raises(ValueError, match="one_launch_max_bytes"):
+        EchoBuffer(one_launch_max_bytes=bad)

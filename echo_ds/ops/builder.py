@@ -63,9 +63,12 @@ SOURCES = (
     "owner_reduce_plain.cu",
     "dequantize.cu",
     "pow2_amax.cu",
+    "p2p_all_reduce.cu",
+    "p2p_all_reduce_f16.cu",
+    "p2p_all_reduce_bf16.cu",
     "echo_binding.cpp",
 )
-HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_common.cuh", "owner_reduce.cuh")
+HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_common.cuh", "owner_reduce.cuh", "p2p_all_reduce.cuh")
 
 DEFAULT_ARCH_LIST = "9.0"
 MIN_COMPUTE_CAPABILITY = (8, 0)

@@ -13,7 +13,17 @@ peer writes with a write-and-verify probe. Where any of it is missing it logs on
 setting to change and every call takes the reference path (echo_ds.reference) instead; the results
 are the same bits either way.
 
-One call (section 4.2, appendix C): the caller's stream raises the device-resident flag base and
+One call, where echo_ds.ops is built (the default): ONE launch on the caller's stream
+(csrc/p2p_all_reduce.cu, through the extension's P2PRuntime): every block quantizes its groups of the
+segments this rank sends straight into the owners' buffers and raises a flag per owner, reduces its
+groups of the owned segment once its peers' flags arrive and writes the result into every rank's
+buffer, then decodes every segment's groups once the owners' flags arrive; the compensator's state is
+read and written in the same passes, and pow2 rescaling adds one max pass before it. The host issues one
+binding call; flags, epochs and pointer tables live in device memory, so the call replays from a CUDA
+graph like any kernel.
+
+The staged pipeline (stages="kernels" or "torch"; the fallback where the one-launch kernel is not built
+or not built for the call): the caller's stream raises the device-resident flag base and
 records a start event; the push stream forms x' (compensation, rotation, the pow2 max exchange) and
 puts the codes of each tile into its owner's buffer, publishing a flag per tile; the reduce stream
 waits for a tile's flags, reduces and requantizes it; the gather stream puts the reduced tile to every
@@ -56,6 +66,12 @@ logger = logging.getLogger("echo_ds.p2p")
 # sequence moves out of Python, where smaller tiles overlap the transfers with the quantisation.
 kDefaultTileBytes = 16 * 1024 * 1024
 kDefaultMaxNumel = 1 << 26  # 64 Mi elements: a 128 MiB bf16 activation, 256 MiB in fp32
+# Largest message of the one-launch call under stages="auto"; larger ones run the staged pipeline. From the
+# H200 run of 2026-12-04 (benchmarks/RESULTS.md, "One launch per call"; ranks sharing one GPU, bf16, 4-bit):
+# eager calls, which DeepSpeed training makes, are faster in one launch up to 16 MiB at P = 4 (328 us
+# against 620 us) and 64 MiB at P = 2; at 64 MiB and P = 4 the staged pipeline wins (754 us against
+# 1192 us), because ranks sharing a GPU cap the one-launch grid at a fraction of the SMs.
+kDefaultOneLaunchMaxBytes = 16 << 20
 kScheduleCacheSize = 32
 kStreams = ("push", "reduce", "gather", "tail")
 
@@ -97,17 +113,23 @@ class EchoBuffer:
         stage and call number (default ECHO_P2P_TIMEOUT_S or 5 s). Ranks must not drift further apart.
     device: this rank's GPU (default: torch's current device).
     transport: "cuda" (IPC + kernels) or "host" (shared memory between CPU processes: tests only).
-    stages: "auto" (the fused kernels of echo_ds.ops where they are built and support the call, else
-        torch), "kernels" (the same, with a warning where they cannot), or "torch".
+    stages: "auto" (the one-launch kernel of echo_ds.ops for messages up to ``one_launch_max_bytes``
+        where it is built and supports the call, else the staged kernels of echo_ds.ops, else torch),
+        "fused" (the one-launch kernel at every size, with a warning where it cannot run), "kernels" (the
+        staged kernels, with a warning where they cannot), or "torch" (the staged pipeline through torch).
+    one_launch_max_bytes: see ``stages="auto"`` (default kDefaultOneLaunchMaxBytes, 16 MiB).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, max_numel: int = kDefaultMaxNumel,
                  tile_bytes: int = kDefaultTileBytes, timeout_s: Optional[float] = None,
                  device: Optional[torch.device] = None, transport: str = "cuda", stages: str = "auto",
-                 min_group_size: int = 16):
-        if stages not in ("auto", "kernels", "torch"):
-            raise ValueError(f"stages={stages!r} must be 'auto', 'kernels' or 'torch'")
+                 min_group_size: int = 16, one_launch_max_bytes: int = kDefaultOneLaunchMaxBytes):
+        if stages not in ("auto", "fused", "kernels", "torch"):
+            raise ValueError(f"stages={stages!r} must be 'auto', 'fused', 'kernels' or 'torch'")
         self.stages = stages
+        if isinstance(one_launch_max_bytes, bool) or not isinstance(one_launch_max_bytes, int) or one_launch_max_bytes < 0:
+            raise ValueError(f"one_launch_max_bytes={one_launch_max_bytes!r} must be a non-negative int")
+        self.one_launch_max_bytes = (1 << 62) if stages == "fused" else one_launch_max_bytes
         self._ops = None
         self.group = group
         self.rank = dist.get_rank(group)
@@ -121,6 +143,9 @@ class EchoBuffer:
         self.reason = ""
         self.closed = False
         self._schedules: "OrderedDict[object, Schedule]" = OrderedDict()
+        self._runtime = None  # echo_ds.ops' P2PRuntime: the one-launch call
+        self._decisions = {}  # call-policy key -> Decision (a pure function of the key)
+        self._fused_args = {}  # QuantSpec -> the one-launch call's constant arguments
         self._streams = {}
         self._events = {}
         self._num_calls = 0
@@ -202,6 +227,58 @@ class EchoBuffer:
         self._events = self._new_events()
         self._graph_events = []  # the events of captured calls, kept with the buffer
         self._finish_handshake()
+        if self.active:
+            self._init_runtime(everyone, uuid)
+
+    def _init_runtime(self, everyone, uuid) -> None:
+        """The one-launch call (echo_ds.ops.P2PRuntime), on every rank or on none (collective).
+
+        Ranks that share a device (same UUID; tests and benchmarks run so) must have all their blocks
+        resident at once, or a block could spin for a peer block that never gets an SM: the grid is
+        capped at the blocks resident per device divided by the ranks on it, the smallest over the group.
+        """
+        ok, cap, why = False, 0, ""
+        sharing = sum(1 for e in everyone if e["uuid"] == uuid)
+        if self.stages not in ("auto", "fused"):
+            why = f"stages={self.stages!r}"
+        elif self._ops is None:
+            why = "echo_ds.ops is not loaded"
+        elif self.world_size not in (2, 4, 8):
+            why = f"the one-launch kernel is built for 2, 4, 8 ranks, not {self.world_size}"
+        else:
+            try:
+                ext = self._ops.load()
+                if int(ext.kP2PFlagsBytes) != L.kFusedFlagsBytes or int(ext.kP2PMaxBlocks) != L.kFusedMaxBlocks:
+                    raise RuntimeError(f"flag area {ext.kP2PFlagsBytes} B / {ext.kP2PMaxBlocks} blocks in the kernels, "
+                                       f"{L.kFusedFlagsBytes} B / {L.kFusedMaxBlocks} in echo_ds/p2p/layout.py")
+                # Ranks sharing a device get half of their even share: at the full share (every SM slot
+                # taken) P = 4 ranks under MPS hung once in 600 calls on the H200 (2026-12-04), a block
+                # of one rank never scheduled while the others spun.
+                resident = int(ext.p2p_resident_blocks())
+                cap = min(L.kFusedMaxBlocks, resident if sharing == 1 else resident // (2 * sharing))
+                ok = cap >= 1
+                why = "" if ok else f"{sharing} ranks share one device: no block left for each"
+            except Exception as e:  # noqa: BLE001 - the staged pipeline still works
+                why = f"{type(e).__name__}: {e}"
+        verdicts = self._gather((ok, cap, why))
+        if not all(v[0] for v in verdicts):
+            bad = "; ".join(f"rank {j}: {v[2]}" for j, v in enumerate(verdicts) if not v[0])
+            msg = f"the one-launch call is off ({bad}); calls run the staged pipeline"
+            if self.stages == "fused":
+                _warn_once(msg, self.rank)
+            else:
+                logger.info("echo p2p: %s", msg)
+            return
+        cap = min(v[1] for v in verdicts)
+        t = self.transport
+        P = self.world_size
+        self._runtime = ext.P2PRuntime(
+            self.rank, P, [t.peer_ptr[j]["codes"] for j in range(P)], [t.peer_ptr[j]["params"] for j in range(P)],
+            [t.peer_ptr[j]["signals"] + L.kFusedFlagsOffset for j in range(P)], self.capacity.code_bytes // 2,
+            self.capacity.param_bytes // 2, t.error_dev_ptr, t.timeout_ns, cap)
+        if sharing > 1 and self.rank == 0:
+            logger.info("echo p2p: %d ranks share one device: the one-launch kernel's grid is capped at %d blocks "
+                        "per rank, so that every rank's blocks are resident at once", sharing, cap)
 
     @staticmethod
     def _new_events() -> dict:
@@ -328,11 +405,18 @@ class EchoBuffer:
         """The call policy for ``x`` (a pure function of its size, dtype and the group's facts)."""
         if not self.active:
             return policy.Decision(False, self.reason)
-        return policy.call_decision(
-            dtype=x.dtype, numel=x.numel(), element_size=x.element_size(), world_size=self.world_size,
-            bits=spec.bits, group_size=spec.group_size, capacity=self.capacity,
-            telemetry=bool(compensator is not None and compensator.telemetry),
-            device_matches=x.device == self.device)
+        telemetry = bool(compensator is not None and compensator.telemetry)
+        device_matches = x.device == self.device
+        key = (x.dtype, x.numel(), spec.bits, spec.group_size, telemetry, device_matches)
+        decision = self._decisions.get(key)
+        if decision is None:
+            if len(self._decisions) >= 4096:
+                self._decisions.clear()
+            decision = self._decisions[key] = policy.call_decision(
+                dtype=x.dtype, numel=x.numel(), element_size=x.element_size(), world_size=self.world_size,
+                bits=spec.bits, group_size=spec.group_size, capacity=self.capacity, telemetry=telemetry,
+                device_matches=device_matches)
+        return decision
 
     def all_reduce(self, x: torch.Tensor, spec: QuantSpec, compensator=None, pow2_rescale: bool = False) -> torch.Tensor:
         """The Echo all-reduce of ``x`` over the group: a new tensor of ``x``'s shape and dtype.
@@ -356,6 +440,12 @@ class EchoBuffer:
 
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale)
         self.check()
+        if self._runtime is not None and x.numel() * x.element_size() <= self.one_launch_max_bytes:
+            args = self._fused_args.get(spec)
+            if args is None:
+                args = self._fused_args[spec] = self._one_launch_args(x, spec)
+            if args is not False:
+                return self._one_launch(x, spec, args, compensator, pow2_rescale)
         if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
             # NOTE: an event recorded inside a capture must never be waited on outside it (CUDA answers
             # "invalid argument", seen on the H200 at the first eager call after a replay), so a captured
@@ -367,6 +457,45 @@ class EchoBuffer:
             finally:
                 self._events = eager_events
         return self._p2p_all_reduce(x, spec, compensator, pow2_rescale)
+
+    # ------------------------------------------------------------------------------------------------
+    # The one-launch call
+    # ------------------------------------------------------------------------------------------------
+
+    def _one_launch_args(self, x: torch.Tensor, spec: QuantSpec):
+        """The constant arguments of the one-launch call for ``spec`` (False: it cannot run it)."""
+        from echo_ds.ops import kernels as K
+
+        why = K.unsupported_reason(self.world_size, spec, x.dtype)
+        if why is not None:
+            if self.stages == "fused":
+                _warn_once(f"the one-launch kernel does not support this call ({why}); it runs the staged "
+                           f"pipeline", self.rank)
+            return False
+        signs, norm = K._hadamard_args(spec)
+        return (spec.group_size, spec.bits, K.POLICY_CODES[spec.policy], signs, norm)
+
+    def _one_launch(self, x, spec, args, compensator, pow2):
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._num_calls += 1
+        if self._fault == (self._num_calls, "exit_after_push"):
+            torch.cuda.synchronize(self.device)
+            os._exit(17)  # tests: a rank dies in the middle of the group's call (its peers wait for it)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if compensator is None:
+            self._runtime.all_reduce(x, y, None, None, [], 0, pow2, *args, stream)
+            return y
+        layout = C.Layout(x.numel(), self.world_size, spec.group_size)
+        compensator._ensure((self.world_size, layout.groups_per_segment, spec.group_size), self.device)
+        c = compensator
+        coeffs = [c.gain, c.blend, c.one_minus_blend, c.slow_decay, c.one_minus_slow, c.fast_decay,
+                  c.one_minus_fast]
+        residual = 1 if c.residual == "local" else 2
+        self._runtime.all_reduce(x, y, c.m1, c.m2, coeffs, residual, pow2, *args, stream)
+        c.num_calls += 1  # as Compensator.update does; the kernel updated the state
+        return y
 
     # ------------------------------------------------------------------------------------------------
     # The pipeline
@@ -509,6 +638,9 @@ class EchoBuffer:
                 torch.cuda.synchronize(self.device)
         finally:
             t.abort()
+            if self._runtime is not None:
+                self._runtime.close()  # its control block (no call is in flight any more)
+                self._runtime = None
             try:
                 t.close_peers()
                 if barrier and dist.is_initialized():

@@ -40,6 +40,13 @@ kSlotAlignBytes = 256  # slot starts on a 256-byte boundary: 16-byte vector copi
 # 16-byte vectors; only a segment's last tile can be shorter.
 kTileGroupQuantum = 8
 
+# The one-launch kernel's flag area (csrc/echo_api.cuh, P2PFlags) sits in the same exported signal memory,
+# after EchoP2PSignals: 64-bit push and gather flags per (rank, block) for up to kFusedMaxBlocks blocks,
+# and the pow2 max exchange. echo_ds.ops exports sizeof(P2PFlags); EchoBuffer checks it against this.
+kFusedMaxBlocks = 256
+kFusedFlagsOffset = 8192
+kFusedFlagsBytes = 2 * 8 * kMaxWorld * kFusedMaxBlocks + 8 * kMaxWorld + 4 * kMaxWorld + 32
+
 # Put launches: one arrival counter per stream that launches puts (EchoP2PControl::arrivals).
 kLanePush = 0
 kLaneGather = 1
@@ -88,6 +95,11 @@ class WaitParams(ctypes.Structure):
 class SignalParams(ctypes.Structure):
     _fields_ = [("flag", u64 * kMaxFlags), ("control", u64), ("local_progress", u64), ("num_flags", u32),
                 ("stage_offset", u32), ("use_base", u32), ("value", u32)]
+
+
+def signal_bytes() -> int:
+    """Bytes of one rank's exported signal memory: EchoP2PSignals, then the one-launch flag area."""
+    return kFusedFlagsOffset + kFusedFlagsBytes
 
 
 def expected_layout() -> Tuple[int, ...]:
@@ -267,6 +279,7 @@ def _check():
     assert ctypes.sizeof(PutParams) == 592 and ctypes.sizeof(WaitParams) == 144
     assert ctypes.sizeof(SignalParams) == 88
     assert math.log2(kTileGroupQuantum).is_integer()
+    assert ctypes.sizeof(Signals) <= kFusedFlagsOffset and kFusedFlagsOffset % 256 == 0
 
 
 _check()

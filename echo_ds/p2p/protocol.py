@@ -81,6 +81,7 @@ class WaitFailure:
     expected: int
     seen: int
     waited_ns: int
+    one_launch: bool = False  # written by the one-launch kernel: flags hold call numbers, tile is a block
 
 
 class EchoP2PError(RuntimeError):
@@ -94,12 +95,16 @@ class EchoP2PTimeout(EchoP2PError):
 def describe_failure(f: WaitFailure, timeout_s: float, world_size: int) -> str:
     """The error message of a failed wait (one line)."""
     stage = WAIT_STAGE_NAMES.get(f.stage, f"stage {f.stage}")
-    seen_call, seen_stage = decode_flag(f.seen)
-    if seen_stage is None:
-        last = "it has never written this flag"
+    if f.one_launch:
+        last = "it has never written this flag" if f.seen == 0 else f"the flag holds call {f.seen}"
+        where = f"block {f.tile} of " if f.stage in (kWaitReduce, kWaitTail) else ""
     else:
-        last = f"the flag holds {PUBLISH_STAGE_NAMES[seen_stage]} of call {seen_call}"
-    where = f"tile {f.tile} of " if f.stage in (kWaitReduce, kWaitTail) else ""
+        seen_call, seen_stage = decode_flag(f.seen)
+        if seen_stage is None:
+            last = "it has never written this flag"
+        else:
+            last = f"the flag holds {PUBLISH_STAGE_NAMES[seen_stage]} of call {seen_call}"
+        where = f"tile {f.tile} of " if f.stage in (kWaitReduce, kWaitTail) else ""
     if f.code == kErrorAborted:
         return (f"echo p2p: rank {f.rank} of {world_size} abandoned its wait for rank {f.peer} at stage "
                 f"{stage}, {where}call {f.call_index}, because the buffer was closed or the process "

@@ -89,7 +89,7 @@ class CudaTransport:
 
         # Phase 1 (local): allocate and export. A failure is carried into the exchange instead of raised,
         # so that every rank still makes the same collective calls and all fall back together.
-        sizes = {"codes": capacity.code_bytes, "params": capacity.param_bytes, "signals": ctypes.sizeof(L.Signals)}
+        sizes = {"codes": capacity.code_bytes, "params": capacity.param_bytes, "signals": L.signal_bytes()}
         self.local_ptr = {}
         mine = None
         try:
@@ -233,7 +233,7 @@ class CudaTransport:
         if r.code == proto.kErrorNone:
             return None
         return proto.WaitFailure(r.code, r.rank, r.peer, r.stage, r.tile, r.call_index, r.expected, r.seen,
-                                 r.waited_ns)
+                                 r.waited_ns, one_launch=bool(r.reserved[0]))
 
     def clear_failure(self) -> None:
         """Forget a failure (the constructor's probe only): record and poison back to zero."""
@@ -322,7 +322,7 @@ class HostTransport:
         self._failure: Optional[proto.WaitFailure] = None
         self._aborted = False
         self.closed = False
-        sizes = {"codes": capacity.code_bytes, "params": capacity.param_bytes, "signals": ctypes.sizeof(L.Signals)}
+        sizes = {"codes": capacity.code_bytes, "params": capacity.param_bytes, "signals": L.signal_bytes()}
         token = [uuid.uuid4().hex if rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0,
                                    group=group)

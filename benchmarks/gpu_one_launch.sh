@@ -1,0 +1,59 @@
+#!/bin/bash
+# The one-launch p2p call on one GPU, in one session: build echo_ds.ops (JIT, timed), the p2p suites with
+# stages "fused" (bit-identical to the emulator, graph replay, mixed-size stress), the killed-rank tests of
+# both pipelines, and bench_p2p's staged-against-one-launch table. Ranks share the GPU under MPS.
+#
+#   OUT=/some/dir bash benchmarks/gpu_one_launch.sh          # ECHO_P2P_QUICK=1: smaller suites
+#   BENCH_ARGS="..." overrides the benchmark's arguments; SKIP_SUITE=1 / SKIP_BENCH=1 skip a part;
+#   ECHO_P2P_STAGES=auto runs the suites with the default choice (one launch up to 16 MiB, staged above).
+# Writes to $OUT: env.txt, ops_build.log, test.log, p2p_log.txt, bench.log, bench.json.
+set -u
+OUT=${OUT:-/tmp/one_launch_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+source benchmarks/gpu_env.sh
+export ECHO_P2P_LOG=$OUT/p2p_log.txt
+: > "$ECHO_P2P_LOG"
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1; } > "$OUT/env.txt" 2>&1
+
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/echo_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/echo_mps_log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+MPS=0
+if nvidia-cuda-mps-control -d 2>/dev/null; then
+  if timeout 60 python3 -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()" 2>/dev/null; then
+    MPS=1
+  else
+    echo quit | nvidia-cuda-mps-control; sleep 1
+  fi
+fi
+stamp "MPS: $MPS"
+
+timeout 400 python3 -c "
+import time; t = time.perf_counter()
+import echo_ds.ops as E
+E.load()
+print(f'echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s')" > "$OUT/ops_build.log" 2>&1
+echo "rc=$?" >> "$OUT/ops_build.log"; tail -3 "$OUT/ops_build.log"
+python3 -m echo_ds.p2p.builder > /dev/null 2>&1  # the staged transport's kernels (probe, staged calls)
+stamp "built"
+
+PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
+if [ -z "${SKIP_SUITE:-}" ]; then
+  { ECHO_P2P_STAGES=${ECHO_P2P_STAGES:-fused} timeout 300 $PYTEST tests/test_p2p_gpu.py -k "suite or staged" --timeout 250
+    stamp "suites done"
+    timeout 120 $PYTEST tests/test_p2p_gpu.py -k "killed and fused" --timeout 100
+    stamp "killed-rank tests done"
+  } 2>&1 | tee "$OUT/test.log" | grep -v "^\[.*WARNING"
+fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  BENCH_ARGS=${BENCH_ARGS:-"--world-sizes 2,4 --min-bytes 65536 --max-bytes 268435456 --factor 4 --warmup 3 --iters 10 --tile-sweep-bytes 0 --pingpong 0 --graph-reps 10"}
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_p2p.py --json "$OUT/bench.json" $BENCH_ARGS 2>&1 \
+    | tee "$OUT/bench.log" | grep -v "WARNING"
+  stamp "bench done"
+fi
+[ "$MPS" = 1 ] && echo quit | nvidia-cuda-mps-control
+echo "=== summary ==="
+cat "$ECHO_P2P_LOG"
+grep -h -E "passed|failed|error" "$OUT/test.log" 2>/dev/null | tail -4
+stamp "end"

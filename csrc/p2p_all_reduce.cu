@@ -1,0 +1,43 @@
+// The one-launch p2p all-reduce, host side: checks, the dtype dispatch and the control block (the kernel
+// and its protocol: p2p_all_reduce.cuh). This unit also instantiates the kernel for fp32 x.
+#include "p2p_all_reduce.cuh"
+
+namespace echo {
+
+namespace detail {
+template void launch_p2p_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaStream_t);
+}  // namespace detail
+
+void launch_p2p_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
+  const int P = a.layout.world_size;
+  ECHO_HOST_ASSERT(P == 2 || P == 4 || P == 8, "the one-launch transport is built for 2, 4, 8 ranks");
+  ECHO_HOST_ASSERT(a.rank >= 0 && a.rank < P, "rank out of range");
+  ECHO_HOST_ASSERT(a.num_blocks >= 1 && a.num_blocks <= kP2PMaxBlocks, "num_blocks out of range");
+  ECHO_HOST_ASSERT(a.control != nullptr && a.error != nullptr, "control block and error record are required");
+  for (int j = 0; j < P; ++j) ECHO_HOST_ASSERT(a.flags[j] != nullptr, "every rank's flag area is required");
+  detail::check_contribution(a.src);
+  ECHO_HOST_ASSERT(!(a.update_local && a.update_output), "one residual per call");
+  ECHO_HOST_ASSERT(!(a.update_local || a.update_output) || a.src.m1 != nullptr, "updating needs the state");
+  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, detail::launch_p2p_all_reduce_kernel<T>(a, stream));
+}
+
+P2PControl* p2p_alloc_control() {
+  P2PControl* c = nullptr;
+  ECHO_CHECK(cudaMalloc(&c, sizeof(P2PControl)));
+  ECHO_CHECK(cudaMemset(c, 0, sizeof(P2PControl)));
+  ECHO_CHECK(cudaDeviceSynchronize());
+  return c;
+}
+
+void p2p_free_control(P2PControl* control) {
+  if (control != nullptr) ECHO_CHECK(cudaFree(control));
+}
+
+int p2p_resident_blocks() {
+  int device = 0, num_sms = 0;
+  ECHO_CHECK(cudaGetDevice(&device));
+  ECHO_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  return detail::kFusedMinBlocks * num_sms;
+}
+
+}  // namespace echo

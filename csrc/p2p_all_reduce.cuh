@@ -1,0 +1,360 @@
+// The one-launch kernel (internal to csrc/): three translation units instantiate it, one per dtype
+// (p2p_all_reduce.cu: fp32 and the host entry points; p2p_all_reduce_f16.cu, p2p_all_reduce_bf16.cu), so that
+// its 54 instantiations build in parallel.
+//
+// The whole Echo all-reduce of one call in one launch, over peer memory (CUDA IPC): the two-shot shape of
+// echo_api.cuh's three stages with the flags between them inside the kernel.
+//
+// Block b of every rank handles the same groups of every segment (items b, b + B, b + 2B, ... of
+// kGroupsPerBlockItem groups each), so every cross-rank dependency is between the blocks of one index:
+//
+//   A. entry     rs of the P - 1 segments it sends -> codes straight into owner j's push slot for this rank;
+//                then push[rank][b] = epoch on every owner j.
+//   B. reduce    wait push[s][b] == epoch for every s != rank; the ordered fp32 sum of the owned segment's
+//                groups (own rs unquantized), requantized once, into every rank's gather slot for this rank
+//                (its own included); then gather[rank][b] = epoch on every rank.
+//   C. tail      wait gather[o][b] == epoch for every o != rank; decode every segment's groups into y.
+//
+// The arithmetic of each stage is the stage kernels' (push_quantize.cu, owner_reduce.cuh, dequantize.cu)
+// through the same device functions, so the bits are the reference's. Slots are safe to reuse without
+// more flags: a rank writes call n + 1's codes into owner j's push slot only after its own call n has
+// decoded what j's block b gathered, which j's block b sent only after reading its push slot; and owner j
+// writes a rank's gather slot for call n + 1 only after that rank's block b pushed call n + 1, i.e.
+// after it decoded call n.
+//
+// The epoch lives in device memory (P2PControl): every block reads it at its start and the last block to
+// finish raises it, so that a CUDA graph replay advances it like an eager call. Every wait is bounded by
+// the global timer; a failed wait fills the mapped error record once and poisons the control block, after
+// which every wait of every later call gives up at once (the host raises the named error).
+#pragma once
+
+#include "echo_common.cuh"
+
+namespace echo {
+namespace detail {
+
+__device__ __forceinline__ void st_release_sys(uint64_t* addr, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* addr) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spin until *flag == expected (true), or give up (false): after timeout_ns, at once when the host asked
+// to abort or an earlier wait of this rank failed. The first failure fills the error record.
+__device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint64_t* flag, uint64_t expected, uint32_t stage,
+                          int peer) {
+  P2PControl* control = a.control;
+  uint64_t seen = ld_acquire_sys(flag);
+  if (seen == expected) return true;
+  const uint64_t start = global_timer_ns();
+  uint32_t polls = 0;
+  while (true) {
+    // The slow checks (clock, abort word in host memory, poison) every 64 polls keep the loop on the flag.
+    if ((++polls & 63) == 0) {
+      const uint64_t waited = global_timer_ns() - start;
+      const bool aborted = *reinterpret_cast<volatile uint32_t*>(&a.error->abort_request) != 0;
+      const bool poisoned = *reinterpret_cast<volatile uint32_t*>(&control->poisoned) != 0;
+      if (waited > a.timeout_ns || aborted || poisoned) {
+        if (!poisoned && atomicCAS(&control->poisoned, 0u, 1u) == 0u) {
+          volatile P2PErrorRecord* e = a.error;
+          e->rank = static_cast<uint32_t>(a.rank);
+          e->peer = static_cast<uint32_t>(peer);
+          e->stage = stage;
+          e->tile = blockIdx.x;
+          e->call_index = static_cast<uint32_t>(expected);
+          e->expected = static_cast<uint32_t>(expected);
+          e->seen = static_cast<uint32_t>(seen);
+          e->waited_ns = waited;
+          e->reserved[0] = 1;  // the one-launch kernel's record (echo_ds/p2p/protocol.py, WaitFailure)
+          __threadfence_system();
+          e->code = aborted ? kP2PErrorAborted : kP2PErrorTimeout;
+          __threadfence_system();
+        }
+        return false;
+      }
+    }
+    seen = ld_acquire_sys(flag);
+    if (seen == expected) return true;
+  }
+}
+
+// Thread t < P, t != rank, waits for its peer's flag (flags[rank]->field[t][block]); then the block.
+// NOTE: the acquire loads and the barrier order the peers' data before every thread's reads below.
+template <int kWorld>
+__device__ __forceinline__ void wait_peers(const P2PAllReduceArgs& a, uint64_t (*field)[kP2PMaxBlocks],
+                                           uint64_t epoch, uint32_t stage) {
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < kWorld && t != a.rank) wait_flag(a, &field[t][blockIdx.x], epoch, stage, t);
+  __syncthreads();
+}
+
+// After the block's data writes: thread t < P, t != rank, publishes flags[t]->field[rank][block] = epoch.
+// NOTE: the barrier orders every thread's writes before the fence of the publishing thread, whose
+// cumulativity makes them visible system-wide before its release store.
+template <int kWorld, bool kGather>
+__device__ __forceinline__ void signal_peers(const P2PAllReduceArgs& a, uint64_t epoch) {
+  __syncthreads();
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < kWorld && t != a.rank) {
+    __threadfence_system();
+    P2PFlags* f = a.flags[t];
+    st_release_sys(kGather ? &f->gather[a.rank][blockIdx.x] : &f->push[a.rank][blockIdx.x], epoch);
+  }
+}
+
+// 256 threads at up to 128 registers: 2 blocks resident per SM, which the grid cap counts on
+// (p2p_resident_blocks). At 3 (80 registers) ptxas spilled; the entry's prefetch needs the registers.
+constexpr int kFusedMinBlocks = 2;
+
+template <typename T, int kWorld, int kBits, int kGroupSize>
+__global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const P2PAllReduceArgs a) {
+  constexpr int kLanes = kGroupSize / kElemsPerThread;
+  constexpr int kPerItem = kGroupsPerBlockItem<kLanes>;
+  __shared__ uint64_t epoch_shared;
+  __shared__ float amax_shared;
+  const int me = a.rank;
+  const int lane = static_cast<int>(threadIdx.x % kLanes);
+  const int64_t G = a.layout.groups_per_segment;
+  const int64_t seg_elems = G * kGroupSize;
+  const int64_t numel = a.layout.numel;
+  P2PControl* control = a.control;
+  P2PFlags* mine = a.flags[me];
+
+  if (threadIdx.x == 0) epoch_shared = *reinterpret_cast<volatile uint64_t*>(&control->epoch) + 1;
+  __syncthreads();
+  const uint64_t epoch = epoch_shared;
+
+  // pow2 rescaling: the group's max |r'|. Block 0 sends this rank's to every peer; every block reads them.
+  const float* pow2_amax = nullptr;
+  if (a.pow2) {
+    const int t = static_cast<int>(threadIdx.x);
+    const float local = *reinterpret_cast<volatile float*>(&control->amax_local);
+    if (blockIdx.x == 0 && t < kWorld && t != me) {
+      a.flags[t]->amax[me] = local;
+      __threadfence_system();
+      st_release_sys(&a.flags[t]->amax_flag[me], epoch);
+    }
+    if (t == 0) {
+      // Non-negative floats order as their unsigned patterns, NaN above +inf (as pow2_amax.cu).
+      unsigned best = __float_as_uint(local);
+      for (int s = 0; s < kWorld; ++s) {
+        if (s == me) continue;
+        wait_flag(a, &mine->amax_flag[s], epoch, kP2PWaitAmax, s);
+        best = max(best, __float_as_uint(*reinterpret_cast<volatile float*>(&mine->amax[s])));
+      }
+      amax_shared = __uint_as_float(best);
+    }
+    __syncthreads();
+    pow2_amax = &amax_shared;
+  }
+  const int k = pow2_exponent(pow2_amax);
+
+  // A. entry: the segments this rank sends. A thread's work is a sequence of units (item, sent segment);
+  // for 16-bit x the loads of unit q + 1 are issued before unit q is worked on (two buffers, as
+  // push_quantize.cu does), so that one unit's loads are in flight while the thread computes.
+  constexpr int kSent = kWorld - 1;
+  const auto unit = [&](int64_t q, int64_t& gi, int64_t& e) {  // false past the block's last unit
+    const int64_t base = (int64_t(blockIdx.x) + (q / kSent) * int64_t(gridDim.x)) * kPerItem;
+    if (base >= G) return false;  // uniform over the block
+    const int jj = static_cast<int>(q % kSent);
+    gi = base + threadIdx.x / kLanes;
+    e = int64_t(jj < me ? jj : jj + 1) * seg_elems + gi * kGroupSize;
+    return true;
+  };
+  const auto load_unit = [&](int64_t q, RawChunks<T>& r) {
+    int64_t gi, e;
+    if (unit(q, gi, e) && gi < G) load_contribution_x<T, kLanes>(a.src, e, lane, numel, r);
+  };
+  const auto entry_work = [&](int64_t gi, int64_t e, const RawChunks<T>& r) {
+    const int j = static_cast<int>(e / seg_elems);
+    float v[kElemsPerThread];
+    StateWords m1, m2;
+    contribution_from_raw<T, kLanes>(a.src, r, e, lane, k, v, m1, m2);
+    Codes<kBits> codes;
+    const GroupParams p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
+    store_packet_group<kBits, kLanes>(a.push_out, j, gi, lane, codes, p);
+    if (a.update_local) {
+      float u[kElemsPerThread];
+      local_residual<kBits>(codes, p, v, k, u);
+      update_state<kLanes>(a.src, e, lane, m1, m2, u);
+    }
+  };
+  if constexpr (sizeof(T) == 2) {
+    // Works on unit q from r after issuing unit q + 1's loads into `next`; false past the last unit.
+    const auto entry_step = [&](int64_t q, const RawChunks<T>& r, RawChunks<T>& next) {
+      int64_t gi, e;
+      if (!unit(q, gi, e)) return false;
+      load_unit(q + 1, next);
+      if (gi < G) entry_work(gi, e, r);  // whole groups skip together
+      return true;
+    };
+    RawChunks<T> raw[2];
+    load_unit(0, raw[0]);
+#pragma unroll 1
+    for (int64_t q = 0;; q += 2) {
+      if (!entry_step(q, raw[0], raw[1]) || !entry_step(q + 1, raw[1], raw[0])) break;
+    }
+  } else {  // fp32 x: twice the words per unit; two buffers would not fit the registers
+    int64_t gi, e;
+#pragma unroll 1
+    for (int64_t q = 0; unit(q, gi, e); ++q) {
+      if (gi >= G) continue;
+      RawChunks<T> r;
+      load_contribution_x<T, kLanes>(a.src, e, lane, numel, r);
+      entry_work(gi, e, r);
+    }
+  }
+  signal_peers<kWorld, false>(a, epoch);
+
+  // B. owner reduce of this block's groups of the owned segment, the sum in rank order.
+  wait_peers<kWorld>(a, mine->push, epoch, kP2PWaitReduce);
+  for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
+    const int64_t gi = base + threadIdx.x / kLanes;
+    if (gi >= G) continue;
+    const int64_t own_e = int64_t(me) * seg_elems + gi * kGroupSize;
+    const int64_t code_offset = gi * kGroupCodeBytes<kBits, kLanes>;
+    // 4-bit copies of up to 4 ranks are loaded before the own contribution is formed; otherwise (twice
+    // the registers, or twice the copies: ptxas spilled) each at its turn in the sum.
+    constexpr bool kPrefetch = kBits == 4 && kWorld <= 4;
+    Codes<kBits> copies[kPrefetch ? kWorld : 1];
+    uint16_t scale_bits[kPrefetch ? kWorld : 1], zero_bits[kPrefetch ? kWorld : 1];
+    const auto load_copy = [&](int r, int slot) {
+      copies[slot] = load_codes<kBits, kLanes>(a.reduce_in.codes[r] + code_offset, lane);
+      scale_bits[slot] = a.reduce_in.scales[r][gi];
+      zero_bits[slot] = a.reduce_in.zeros[r][gi];
+    };
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int r = 0; r < kWorld; ++r) {
+        if (r != me) load_copy(r, r);
+      }
+    }
+    float own[kElemsPerThread];
+    StateWords m1, m2;
+    contribution<T, kLanes>(a.src, own_e, lane, numel, k, own, m1, m2);
+    float acc[kElemsPerThread];
+#pragma unroll
+    for (int r = 0; r < kWorld; ++r) {
+      float t[kElemsPerThread];
+      if (r == me) {
+#pragma unroll
+        for (int i = 0; i < kElemsPerThread; ++i) t[i] = own[i];
+      } else {
+        const int slot = kPrefetch ? r : 0;
+        if constexpr (!kPrefetch) load_copy(r, 0);
+        const GroupParams p = params_from_bits(scale_bits[slot], zero_bits[slot]);
+        decode<kBits>(copies[slot], p.scale, p.zero, t);
+      }
+#pragma unroll
+      for (int i = 0; i < kElemsPerThread; ++i) acc[i] = (r == 0) ? t[i] : f_add(acc[i], t[i]);
+    }
+    Codes<kBits> codes;
+    const GroupParams p = quantize_group<kBits, kLanes>(acc, a.policy, lane, codes);
+#pragma unroll
+    for (int d = 0; d < kWorld; ++d) store_packet_group<kBits, kLanes>(a.reduce_out, d, gi, lane, codes, p);
+    if (a.update_local) {
+      float u[kElemsPerThread];
+      local_residual<kBits>(codes, p, acc, k, u);
+      update_state<kLanes>(a.src, own_e, lane, m1, m2, u);
+    }
+  }
+  signal_peers<kWorld, true>(a, epoch);
+
+  // C. tail: every segment's reduced codes -> y (and residual "output"'s update).
+  wait_peers<kWorld>(a, mine->gather, epoch, kP2PWaitTail);
+  const float down = exp2_int(-k);
+  for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
+    const int64_t gi = base + threadIdx.x / kLanes;
+    if (gi >= G) continue;
+    const int64_t code_offset = gi * kGroupCodeBytes<kBits, kLanes>;
+    const auto tail_segment = [&](int seg, const Codes<kBits>& codes, uint16_t scale_bits, uint16_t zero_bits) {
+      const int64_t e = int64_t(seg) * seg_elems + gi * kGroupSize;
+      const GroupParams p = params_from_bits(scale_bits, zero_bits);
+      float v[kElemsPerThread];
+      if (a.update_output) {
+        // u = r' - s_hat / P, r' formed again as the entry formed it (dequantize.cu, kUpdate).
+        float r[kElemsPerThread];
+        StateWords m1, m2;
+        contribution<T, kLanes>(a.src, e, lane, numel, /*k=*/0, r, m1, m2);
+        decode<kBits>(codes, p.scale, p.zero, v);
+        const float inv_world = __frcp_rn(static_cast<float>(kWorld));
+#pragma unroll
+        for (int i = 0; i < kElemsPerThread; ++i) {
+          if (k != 0) v[i] = f_mul(v[i], down);
+          r[i] = f_sub(r[i], f_mul(v[i], inv_world));
+        }
+        update_state<kLanes>(a.src, e, lane, m1, m2, r);
+        if (e >= numel) return;  // padding: its state is updated, nothing is written
+      } else {
+        decode<kBits>(codes, p.scale, p.zero, v);
+        if (k != 0) {
+#pragma unroll
+          for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], down);
+        }
+      }
+      if (a.src.hadamard.enabled) unrotate<kLanes>(v, lane, a.src.hadamard);
+      store_thread<T, kLanes>(static_cast<T*>(a.out), e, lane, numel, aligned16(a.out), v);
+    };
+    // A segment whose group is all padding is skipped (residual "output" still updates its state).
+    const auto wanted = [&](int seg) { return a.update_output || int64_t(seg) * seg_elems + gi * kGroupSize < numel; };
+    if constexpr (kBits == 4 && kWorld <= 4) {
+      // The codes of every segment are loaded before any is decoded.
+      Codes<kBits> gathered[kWorld];
+      uint16_t scale_bits[kWorld], zero_bits[kWorld];
+#pragma unroll
+      for (int seg = 0; seg < kWorld; ++seg) {
+        if (!wanted(seg)) continue;
+        gathered[seg] = load_codes<kBits, kLanes>(a.gathered.codes[seg] + code_offset, lane);
+        scale_bits[seg] = a.gathered.scales[seg][gi];
+        zero_bits[seg] = a.gathered.zeros[seg][gi];
+      }
+#pragma unroll
+      for (int seg = 0; seg < kWorld; ++seg) {
+        if (wanted(seg)) tail_segment(seg, gathered[seg], scale_bits[seg], zero_bits[seg]);
+      }
+    } else {  // 8-bit codes or 8 segments (ptxas spilled): one segment at a time
+#pragma unroll 1
+      for (int seg = 0; seg < kWorld; ++seg) {
+        if (!wanted(seg)) continue;
+        tail_segment(seg, load_codes<kBits, kLanes>(a.gathered.codes[seg] + code_offset, lane),
+                     a.gathered.scales[seg][gi], a.gathered.zeros[seg][gi]);
+      }
+    }
+  }
+
+  // The last block to finish raises the epoch for the next call (every block read it at its start).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t prev = atomicInc(&control->arrivals, gridDim.x - 1);  // wraps to 0 for the next launch
+    if (prev == gridDim.x - 1) *reinterpret_cast<volatile uint64_t*>(&control->epoch) = epoch;
+  }
+}
+
+// Launches the instantiation of T for the configuration of a (the host checks are the caller's).
+template <typename T>
+void launch_p2p_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t stream) {
+  ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+    switch (a.layout.world_size) {
+      case 2: p2p_all_reduce_kernel<T, 2, kBits, kGroup><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
+      case 4: p2p_all_reduce_kernel<T, 4, kBits, kGroup><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
+      default: p2p_all_reduce_kernel<T, 8, kBits, kGroup><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
+    }
+    ECHO_CHECK(cudaGetLastError());
+  }));
+}
+
+extern template void launch_p2p_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaStream_t);
+extern template void launch_p2p_all_reduce_kernel<__half>(const P2PAllReduceArgs&, cudaStream_t);
+extern template void launch_p2p_all_reduce_kernel<__nv_bfloat16>(const P2PAllReduceArgs&, cudaStream_t);
+
+}  // namespace detail
+}  // namespace echo

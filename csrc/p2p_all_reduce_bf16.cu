@@ -1,0 +1,8 @@
+// The one-launch kernel for __nv_bfloat16 x (p2p_all_reduce.cuh).
+#include "p2p_all_reduce.cuh"
+
+namespace echo {
+namespace detail {
+template void launch_p2p_all_reduce_kernel<__nv_bfloat16>(const P2PAllReduceArgs&, cudaStream_t);
+}  // namespace detail
+}  // namespace echo
