@@ -202,12 +202,16 @@ constexpr uint32_t kP2PWaitReduce = 1;
 constexpr uint32_t kP2PWaitTail = 2;
 constexpr uint32_t kP2PErrorTimeout = 1;
 constexpr uint32_t kP2PErrorAborted = 2;
+constexpr uint32_t kP2PErrorMismatch = 3;  // a peer's flag of this call carries another call descriptor
 
 // The flag area of one rank (inside its exported signal memory), written by its peers. Block b of rank s
 // publishes push[s][b] on owner j when its codes of owner j's segment are in j's push slot for s; block b
 // of owner o publishes gather[o][b] on every rank when its reduced codes are in that rank's gather slot
-// for o. A flag holds the call's epoch (1, 2, ...: P2PControl::epoch + 1), which only grows: a waiter is
-// released when the flag EQUALS the value it expects, and a flag never goes back to 0.
+// for o. A flag holds (epoch << 32) | descriptor: the call's epoch (1, 2, ...: P2PControl::epoch + 1, low 32
+// bits), which only grows, and the call's 32-bit descriptor (echo_ds/p2p/protocol.py, call_descriptor:
+// dtype, bits, group size, quantizer, rotation, pow2, residual, a hash of the element count). A waiter is
+// released when the flag EQUALS the value it expects; a flag of the same epoch with another descriptor
+// is a mismatch between the ranks' calls (kP2PErrorMismatch); a flag never goes back to 0.
 struct P2PFlags {
   uint64_t push[kMaxWorldSize][kP2PMaxBlocks];
   uint64_t gather[kMaxWorldSize][kP2PMaxBlocks];
@@ -238,10 +242,10 @@ struct P2PErrorRecord {
   uint32_t rank;
   uint32_t peer;
   uint32_t stage;
-  uint32_t tile;  // the block
+  uint32_t tile;        // the block
   uint32_t call_index;  // low 32 bits of the epoch
-  uint32_t expected;
-  uint32_t seen;
+  uint32_t expected;    // the epoch waited for (kP2PErrorMismatch: this rank's descriptor)
+  uint32_t seen;        // the epoch the flag held (kP2PErrorMismatch: the peer's descriptor)
   uint64_t waited_ns;
   uint32_t abort_request;  // written by the host: every wait gives up at once
   uint32_t reserved[5];
@@ -267,7 +271,7 @@ struct P2PAllReduceArgs {
   P2PErrorRecord* error;  // device address of the mapped record
   uint64_t timeout_ns;
   int32_t num_blocks;
-  int32_t pad_;
+  uint32_t descriptor;  // this call's (see P2PFlags)
 };
 void launch_p2p_all_reduce(const P2PAllReduceArgs& args, cudaStream_t stream);
 

@@ -334,8 +334,10 @@ class P2PRuntime {
   // state), 1 "local", 2 "output"; m1, m2 the state (bf16, padded length) when residual != 0.
   void all_reduce(const at::Tensor& x, const at::Tensor& y, const OptTensor& m1, const OptTensor& m2,
                   const std::vector<double>& coeffs, int64_t residual, bool pow2, int64_t group_size, int64_t bits,
-                  int64_t policy, const std::vector<int64_t>& hadamard_signs, double hadamard_norm, int64_t stream) {
+                  int64_t policy, const std::vector<int64_t>& hadamard_signs, double hadamard_norm, int64_t descriptor,
+                  int64_t stream) {
     TORCH_CHECK(control_ != nullptr, "P2PRuntime: closed");
+    TORCH_CHECK(descriptor >= 0 && descriptor <= 0xffffffffLL, "descriptor must be a 32-bit value");
     check_tensor(x, "x");
     check_tensor(y, "y");
     TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.numel() == x.numel(), "y must have x's dtype and numel");
@@ -372,6 +374,7 @@ class P2PRuntime {
       slot(a.gathered, j, me, j, true);                  // my gather slot for owner j
       a.flags[j] = flags_[j];
     }
+    a.descriptor = static_cast<uint32_t>(descriptor);
     a.control = control_;
     a.error = error_;
     a.timeout_ns = static_cast<uint64_t>(timeout_ns_);
@@ -433,7 +436,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("max_blocks"))
       .def("all_reduce", &P2PRuntime::all_reduce, py::arg("x"), py::arg("y"), py::arg("m1"), py::arg("m2"),
            py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
-           py::arg("policy"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("stream"))
+           py::arg("policy"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),
+           py::arg("stream"))
       .def("close", &P2PRuntime::close)
       .def_property_readonly("max_blocks", &P2PRuntime::max_blocks);
   m.def("p2p_resident_blocks", &echo::p2p_resident_blocks);

@@ -287,11 +287,32 @@ __device__ __forceinline__ void load_thread(const T* __restrict__ p, int64_t gro
   unpack_raw<T>(r, v);
 }
 
-// p[group_base + this lane's elements, below numel] = v in T (round to nearest even).
+// The largest finite value of T as fp32 (torch.finfo(T).max), and a finite fp32 value saturated to it
+// (collective.from_segments): a finite sum beyond T's range comes back as T's largest value, not as an
+// infinity; NaN and infinities pass unchanged.
+template <typename T>
+constexpr float kMaxFinite = 3.4028234663852886e38f;
+template <>
+constexpr float kMaxFinite<__half> = 65504.0f;
+template <>
+constexpr float kMaxFinite<__nv_bfloat16> = 3.3895313892515355e38f;  // 0x7F7F: (2 - 2^-7) 2^127
+template <typename T>
+__device__ __forceinline__ float saturate(float v) {
+  if constexpr (sizeof(T) == 4) {
+    return v;
+  } else {
+    return is_finite(v) ? fminf(fmaxf(v, -kMaxFinite<T>), kMaxFinite<T>) : v;
+  }
+}
+
+// p[group_base + this lane's elements, below numel] = v in T (saturated, then rounded to nearest even).
 template <typename T, int kLanes>
 __device__ __forceinline__ void store_thread(T* __restrict__ p, int64_t group_base, int lane, int64_t numel,
-                                             bool vec_ok, const float (&v)[kElemsPerThread]) {
+                                             bool vec_ok, const float (&values)[kElemsPerThread]) {
   constexpr int kBytes = kChunkElems * int(sizeof(T));
+  float v[kElemsPerThread];
+#pragma unroll
+  for (int i = 0; i < kElemsPerThread; ++i) v[i] = saturate<T>(values[i]);
   if (vec_ok && group_base + chunk_offset<kLanes>(lane, kChunks - 1) + kChunkElems <= numel) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {

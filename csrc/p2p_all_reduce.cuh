@@ -9,11 +9,14 @@
 // kGroupsPerBlockItem groups each), so every cross-rank dependency is between the blocks of one index:
 //
 //   A. entry     rs of the P - 1 segments it sends -> codes straight into owner j's push slot for this rank;
-//                then push[rank][b] = epoch on every owner j.
-//   B. reduce    wait push[s][b] == epoch for every s != rank; the ordered fp32 sum of the owned segment's
+//                then push[rank][b] = tag on every owner j.
+//   B. reduce    wait push[s][b] == tag for every s != rank; the ordered fp32 sum of the owned segment's
 //                groups (own rs unquantized), requantized once, into every rank's gather slot for this rank
-//                (its own included); then gather[rank][b] = epoch on every rank.
-//   C. tail      wait gather[o][b] == epoch for every o != rank; decode every segment's groups into y.
+//                (its own included); then gather[rank][b] = tag on every rank.
+//   C. tail      wait gather[o][b] == tag for every o != rank; decode every segment's groups into y.
+//
+// tag = (epoch << 32) | descriptor (echo_api.cuh, P2PFlags): a peer whose flag holds this call's epoch
+// with another descriptor made a different call, which every waiter that sees it reports.
 //
 // The arithmetic of each stage is the stage kernels' (push_quantize.cu, owner_reduce.cuh, dequantize.cu)
 // through the same device functions, so the bits are the reference's. Slots are safe to reuse without
@@ -57,6 +60,24 @@ __device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint6
   const uint64_t start = global_timer_ns();
   uint32_t polls = 0;
   while (true) {
+    if ((seen >> 32) == (expected >> 32)) {  // this call's epoch, another call's descriptor
+      if (atomicCAS(&control->poisoned, 0u, 1u) == 0u) {
+        volatile P2PErrorRecord* e = a.error;
+        e->rank = static_cast<uint32_t>(a.rank);
+        e->peer = static_cast<uint32_t>(peer);
+        e->stage = stage;
+        e->tile = blockIdx.x;
+        e->call_index = static_cast<uint32_t>(expected >> 32);
+        e->expected = static_cast<uint32_t>(expected);
+        e->seen = static_cast<uint32_t>(seen);
+        e->waited_ns = global_timer_ns() - start;
+        e->reserved[0] = 1;
+        __threadfence_system();
+        e->code = kP2PErrorMismatch;
+        __threadfence_system();
+      }
+      return false;
+    }
     // The slow checks (clock, abort word in host memory, poison) every 64 polls keep the loop on the flag.
     if ((++polls & 63) == 0) {
       const uint64_t waited = global_timer_ns() - start;
@@ -69,9 +90,9 @@ __device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint6
           e->peer = static_cast<uint32_t>(peer);
           e->stage = stage;
           e->tile = blockIdx.x;
-          e->call_index = static_cast<uint32_t>(expected);
-          e->expected = static_cast<uint32_t>(expected);
-          e->seen = static_cast<uint32_t>(seen);
+          e->call_index = static_cast<uint32_t>(expected >> 32);
+          e->expected = static_cast<uint32_t>(expected >> 32);
+          e->seen = static_cast<uint32_t>(seen >> 32);
           e->waited_ns = waited;
           e->reserved[0] = 1;  // the one-launch kernel's record (echo_ds/p2p/protocol.py, WaitFailure)
           __threadfence_system();
@@ -90,23 +111,23 @@ __device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint6
 // NOTE: the acquire loads and the barrier order the peers' data before every thread's reads below.
 template <int kWorld>
 __device__ __forceinline__ void wait_peers(const P2PAllReduceArgs& a, uint64_t (*field)[kP2PMaxBlocks],
-                                           uint64_t epoch, uint32_t stage) {
+                                           uint64_t tag, uint32_t stage) {
   const int t = static_cast<int>(threadIdx.x);
-  if (t < kWorld && t != a.rank) wait_flag(a, &field[t][blockIdx.x], epoch, stage, t);
+  if (t < kWorld && t != a.rank) wait_flag(a, &field[t][blockIdx.x], tag, stage, t);
   __syncthreads();
 }
 
-// After the block's data writes: thread t < P, t != rank, publishes flags[t]->field[rank][block] = epoch.
+// After the block's data writes: thread t < P, t != rank, publishes flags[t]->field[rank][block] = tag.
 // NOTE: the barrier orders every thread's writes before the fence of the publishing thread, whose
 // cumulativity makes them visible system-wide before its release store.
 template <int kWorld, bool kGather>
-__device__ __forceinline__ void signal_peers(const P2PAllReduceArgs& a, uint64_t epoch) {
+__device__ __forceinline__ void signal_peers(const P2PAllReduceArgs& a, uint64_t tag) {
   __syncthreads();
   const int t = static_cast<int>(threadIdx.x);
   if (t < kWorld && t != a.rank) {
     __threadfence_system();
     P2PFlags* f = a.flags[t];
-    st_release_sys(kGather ? &f->gather[a.rank][blockIdx.x] : &f->push[a.rank][blockIdx.x], epoch);
+    st_release_sys(kGather ? &f->gather[a.rank][blockIdx.x] : &f->push[a.rank][blockIdx.x], tag);
   }
 }
 
@@ -131,6 +152,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   if (threadIdx.x == 0) epoch_shared = *reinterpret_cast<volatile uint64_t*>(&control->epoch) + 1;
   __syncthreads();
   const uint64_t epoch = epoch_shared;
+  const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;  // what this call's flags hold
 
   // pow2 rescaling: the group's max |r'|. Block 0 sends this rank's to every peer; every block reads them.
   const float* pow2_amax = nullptr;
@@ -140,14 +162,14 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     if (blockIdx.x == 0 && t < kWorld && t != me) {
       a.flags[t]->amax[me] = local;
       __threadfence_system();
-      st_release_sys(&a.flags[t]->amax_flag[me], epoch);
+      st_release_sys(&a.flags[t]->amax_flag[me], tag);
     }
     if (t == 0) {
       // Non-negative floats order as their unsigned patterns, NaN above +inf (as pow2_amax.cu).
       unsigned best = __float_as_uint(local);
       for (int s = 0; s < kWorld; ++s) {
         if (s == me) continue;
-        wait_flag(a, &mine->amax_flag[s], epoch, kP2PWaitAmax, s);
+        wait_flag(a, &mine->amax_flag[s], tag, kP2PWaitAmax, s);
         best = max(best, __float_as_uint(*reinterpret_cast<volatile float*>(&mine->amax[s])));
       }
       amax_shared = __uint_as_float(best);
@@ -212,10 +234,10 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       entry_work(gi, e, r);
     }
   }
-  signal_peers<kWorld, false>(a, epoch);
+  signal_peers<kWorld, false>(a, tag);
 
   // B. owner reduce of this block's groups of the owned segment, the sum in rank order.
-  wait_peers<kWorld>(a, mine->push, epoch, kP2PWaitReduce);
+  wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
   for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
     const int64_t gi = base + threadIdx.x / kLanes;
     if (gi >= G) continue;
@@ -266,10 +288,10 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       update_state<kLanes>(a.src, own_e, lane, m1, m2, u);
     }
   }
-  signal_peers<kWorld, true>(a, epoch);
+  signal_peers<kWorld, true>(a, tag);
 
   // C. tail: every segment's reduced codes -> y (and residual "output"'s update).
-  wait_peers<kWorld>(a, mine->gather, epoch, kP2PWaitTail);
+  wait_peers<kWorld>(a, mine->gather, tag, kP2PWaitTail);
   const float down = exp2_int(-k);
   for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
     const int64_t gi = base + threadIdx.x / kLanes;

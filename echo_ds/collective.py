@@ -67,8 +67,17 @@ def to_segments(x: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def from_segments(seg: torch.Tensor, layout: Layout, shape, dtype) -> torch.Tensor:
-    """Inverse of :func:`to_segments` for one result: [P, G, g] fp32 -> ``shape`` in ``dtype``."""
-    return seg.reshape(-1)[: layout.numel].reshape(shape).to(dtype)
+    """Inverse of :func:`to_segments` for one result: [P, G, g] fp32 -> ``shape`` in ``dtype``.
+
+    Finite values beyond ``dtype``'s range saturate to its largest finite value (finite in, finite out:
+    two fp16 ranks at 32736 sum to 65472, which the 4-bit codes may carry a little past 65504, and a
+    plain cast would make inf); NaN and infinities pass unchanged.
+    """
+    flat = seg.reshape(-1)[: layout.numel]
+    if dtype in (torch.float16, torch.bfloat16):
+        big = torch.finfo(dtype).max
+        flat = torch.where(torch.isfinite(flat), flat.clamp(-big, big), flat)
+    return flat.reshape(shape).to(dtype)
 
 
 def rotate_if(seg: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -336,3 +336,29 @@ def killed_body(rank, world_size, cfg):
             buf.close(abort=True, barrier=False)
             return {"call": call, "waited_s": waited, "message": msg}
     raise AssertionError(f"rank {rank}: no EchoP2PTimeout after rank {P - 1} died")
+
+
+def mismatch_body(rank, world_size, cfg):
+    """The last rank calls with a different ``cfg['field']`` (bits or element count) in call 3 of the
+    one-launch path; every rank must raise EchoP2PMismatch naming the field, within the timeout."""
+    from echo_ds.p2p import EchoBuffer, EchoP2PMismatch
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    buf = EchoBuffer(max_numel=1 << 20, timeout_s=cfg["timeout_s"], stages="fused")
+    assert buf.active and buf._runtime is not None, buf.reason
+    odd = rank == world_size - 1
+    t0 = time.perf_counter()
+    for call in range(1, 6):
+        n, bits = 1000, 4
+        if call == 3 and odd:
+            n, bits = (1020, 4) if cfg["field"] == "numel" else (1000, 8)
+        x = torch.randn(n, device=device, dtype=torch.bfloat16)
+        try:
+            buf.all_reduce(x, QuantSpec(bits, 128))
+            buf.synchronize()
+        except EchoP2PMismatch as e:
+            msg = str(e)
+            buf.close(abort=True, barrier=False)
+            return {"call": call, "message": msg, "waited_s": time.perf_counter() - t0}
+    raise AssertionError(f"rank {rank}: no EchoP2PMismatch")

@@ -646,6 +646,23 @@ def test_all_reduce_matches_emulator(ops, case):
             assert bool(torch.isfinite(ys[0].float()).all()), "a clean call after a non-finite one is finite"
 
 
+@pytest.mark.parametrize("policy", ["zero_aware", "symmetric"])
+@pytest.mark.parametrize("rotation", [False, True])
+def test_fp16_sum_at_the_range_edge_saturates(ops, policy, rotation):
+    """Two fp16 ranks at 32736: the codes carry the sum past 65504 (up to 82358 before the cast), and the
+    dequantize saturates to 65504 as collective.from_segments does: bitwise the emulator's, all finite."""
+    from echo_ds.emulate import emulated_echo_all_reduce
+
+    spec = QuantSpec(bits=4, group_size=128, policy=policy, rotation=rotation)
+    parts = torch.full((2, 4096), 32736.0, dtype=torch.float16, device=dev())
+    parts[1, ::3] = 32700
+    y_ref = emulated_echo_all_reduce(parts, spec)
+    ys = kernel_all_reduce(ops, parts, spec, None, None, None, False)
+    for i in range(2):
+        assert_same(ys[i], y_ref, f"y on rank {i}")
+    assert bool(torch.isfinite(ys[0].float()).all()) and ys[0].float().abs().max().item() <= 65504.0
+
+
 # ----------------------------------------------------------------------------------------------------
 # One large case: a 1 GB fp16 message through entry, owner reduce and dequantize (P = 4, one rank's view)
 # ----------------------------------------------------------------------------------------------------

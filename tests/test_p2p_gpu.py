@@ -67,6 +67,21 @@ def test_gpu_staged_kernels():
     run_distributed(p2p_suite.suite, 2, cfg, timeout=300)
 
 
+@pytest.mark.parametrize("field", ("bits", "numel"))
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_gpu_one_launch_mismatch_is_named(world_size, field):
+    """Ranks that make call 3 with different arguments: the flags of the one launch carry the call's
+    descriptor, so every rank raises EchoP2PMismatch naming the field (long before the timeout)."""
+    cfg = {"timeout_s": 10.0, "field": field}
+    results = run_distributed(p2p_suite.mismatch_body, world_size, cfg, timeout=120)
+    want = {"bits": "bits: rank", "numel": "numel (hash): rank"}[field]
+    for rank, r in enumerate(results):
+        assert r["call"] == 3 and want in r["message"] and "different arguments" in r["message"], r
+        assert r["waited_s"] < 5.0, r
+    p2p_suite.log(0, f"P={world_size}: a rank calling with another {field} in call 3: every rank raised "
+                     f"EchoP2PMismatch: {results[0]['message']}")
+
+
 @pytest.mark.parametrize("stages", ("torch", "fused"))
 @pytest.mark.parametrize("world_size", (2, 4))
 def test_gpu_rank_killed_mid_call(world_size, stages):

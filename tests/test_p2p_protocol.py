@@ -214,3 +214,22 @@ def test_one_launch_max_bytes_is_checked(bad):
 
     with pytest.raises(ValueError, match="one_launch_max_bytes"):
         EchoBuffer(one_launch_max_bytes=bad)
+
+
+def test_call_descriptor_round_trip_and_mismatch_message():
+    base = dict(numel=1000, dtype="bfloat16", bits=4, group_size=128, quantizer="zero_aware", rotation=True,
+                pow2=False, residual="local")
+    d = proto.call_descriptor(**base)
+    assert 0 <= d < 1 << 32
+    fields = proto.decode_descriptor(d)
+    assert fields["dtype"] == "bfloat16" and fields["bits"] == 4 and fields["group_size"] == 128
+    assert fields["quantizer"] == "zero_aware" and fields["rotation"] and not fields["pow2_rescale"]
+    assert fields["compensator"] == "local" and fields["numel (hash)"] == proto.numel_hash(1000)
+    # every field, changed alone, changes the descriptor
+    for k, v in dict(numel=1020, dtype="float16", bits=8, group_size=64, quantizer="naive", rotation=False,
+                     pow2=True, residual="output").items():
+        assert proto.call_descriptor(**dict(base, **{k: v})) != d, k
+    other = proto.call_descriptor(**dict(base, bits=8))
+    f = proto.WaitFailure(proto.kErrorMismatch, 0, 1, proto.kWaitReduce, 0, 3, d, other, 10, one_launch=True)
+    msg = proto.describe_failure(f, 5.0, 2)
+    assert "bits: rank 0 4, rank 1 8" in msg and "call 3" in msg and "different arguments" in msg, msg

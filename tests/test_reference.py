@@ -276,3 +276,35 @@ def test_non_finite_inputs_propagate():
     parts[1, 10] = float("nan")
     y = quantized_all_reduce(parts, EchoConfig())
     assert torch.isnan(y[:128]).all() and torch.isfinite(y[128:]).all()
+
+
+def test_output_saturates_to_the_dtype_range():
+    """Finite in, finite out: a finite fp32 result beyond a 16-bit dtype's range saturates to its largest
+    finite value (a plain cast rounds 65520 and above to inf); NaN, infinities and -0.0 pass unchanged."""
+    layout = C.Layout(6, 2, 16)
+    # (values a plain cast turns into +-inf, in fp32) per dtype
+    beyond = {torch.float16: (7e4, -65520.0), torch.bfloat16: (3.4e38, -3.4e38)}
+    for dtype, (hi, lo) in beyond.items():
+        seg = torch.zeros(layout.padded_numel)
+        seg[:6] = torch.tensor([hi, lo, float("inf"), float("nan"), -0.0, 1.5])
+        assert torch.isinf(seg[:2].to(dtype).float()).all()  # what the cast alone gives
+        big = torch.finfo(dtype).max
+        y = C.from_segments(seg.view(2, layout.groups_per_segment, 16), layout, (6,), dtype).float()
+        assert y[0].item() == big and y[1].item() == -big, (dtype, y)
+        assert y[2].item() == float("inf") and bool(torch.isnan(y[3])), (dtype, y)
+        assert str(y[4].item()) == "-0.0" and y[5].item() == 1.5, (dtype, y)
+    seg = torch.zeros(layout.padded_numel)
+    seg[0] = 7e4
+    assert C.from_segments(seg.view(2, -1, 16), layout, (6,), torch.float32)[0].item() == 7e4  # fp32 untouched
+
+
+@pytest.mark.parametrize("policy", ["zero_aware", "symmetric"])
+def test_fp16_sum_at_the_range_edge_stays_finite(policy):
+    """Two fp16 ranks at 32736 (exact sum 65472): the rotated 4-bit codes carry the sum past 65504 (82358
+    before saturation with the zero-aware quantizer), which used to come back as inf."""
+    from echo_ds.emulate import emulated_echo_all_reduce
+
+    parts = torch.full((2, 4096), 32736.0, dtype=torch.float16)
+    parts[1, ::3] = 32700
+    y = emulated_echo_all_reduce(parts, QuantSpec(4, 128, policy=policy, rotation=True)).float()
+    assert bool(torch.isfinite(y).all()) and y.abs().max().item() <= 65504.0

@@ -9,9 +9,9 @@ numbers, and this backend reproduces them bit for bit. Design notes: docs/p2p.md
 
 from echo_ds.p2p.policy import (Decision, GroupFacts, call_decision, group_decision,
                                 p2p_transport_status)
-from echo_ds.p2p.protocol import EchoP2PError, EchoP2PTimeout
+from echo_ds.p2p.protocol import EchoP2PError, EchoP2PMismatch, EchoP2PTimeout
 
-__all__ = ["EchoBuffer", "EchoP2PError", "EchoP2PTimeout", "Decision", "GroupFacts", "call_decision",
+__all__ = ["EchoBuffer", "EchoP2PError", "EchoP2PMismatch", "EchoP2PTimeout", "Decision", "GroupFacts", "call_decision",
            "group_decision", "p2p_transport_status"]
 
 

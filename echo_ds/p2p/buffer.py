@@ -146,6 +146,7 @@ class EchoBuffer:
         self._runtime = None  # echo_ds.ops' P2PRuntime: the one-launch call
         self._decisions = {}  # call-policy key -> Decision (a pure function of the key)
         self._fused_args = {}  # QuantSpec -> the one-launch call's constant arguments
+        self._descriptors = {}  # (numel, dtype, spec, residual, pow2) -> the one-launch call's descriptor
         self._streams = {}
         self._events = {}
         self._num_calls = 0
@@ -386,12 +387,16 @@ class EchoBuffer:
         return None if f is None else proto.describe_failure(f, self.timeout_s, self.world_size)
 
     def check(self) -> None:
-        """Raise EchoP2PTimeout if any wait of this group has failed so far (no synchronisation)."""
+        """Raise EchoP2PTimeout (a wait timed out or was abandoned) or EchoP2PMismatch (ranks made a call
+        with different arguments) if any wait of this group has failed so far (no synchronisation)."""
         if self.closed:
             raise proto.EchoP2PError("echo p2p: the EchoBuffer is closed")
-        msg = self.failure()
-        if msg is not None:
-            raise proto.EchoP2PTimeout(msg)
+        if self.transport is None:
+            return
+        f = self.transport.failure()
+        if f is not None:
+            msg = proto.describe_failure(f, self.timeout_s, self.world_size)
+            raise (proto.EchoP2PMismatch if f.code == proto.kErrorMismatch else proto.EchoP2PTimeout)(msg)
 
     def synchronize(self) -> None:
         """Wait for every call issued so far (bounded: waits give up after the timeout), then check()."""
@@ -475,6 +480,17 @@ class EchoBuffer:
         signs, norm = K._hadamard_args(spec)
         return (spec.group_size, spec.bits, K.POLICY_CODES[spec.policy], signs, norm)
 
+    def _descriptor(self, x, spec, residual: str, pow2: bool) -> int:
+        key = (x.numel(), x.dtype, spec, residual, bool(pow2))
+        d = self._descriptors.get(key)
+        if d is None:
+            if len(self._descriptors) >= 4096:
+                self._descriptors.clear()
+            d = self._descriptors[key] = proto.call_descriptor(
+                numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
+                quantizer=spec.policy, rotation=spec.rotation, pow2=bool(pow2), residual=residual)
+        return d
+
     def _one_launch(self, x, spec, args, compensator, pow2):
         if not x.is_contiguous():
             x = x.contiguous()
@@ -485,7 +501,8 @@ class EchoBuffer:
             os._exit(17)  # tests: a rank dies in the middle of the group's call (its peers wait for it)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if compensator is None:
-            self._runtime.all_reduce(x, y, None, None, [], 0, pow2, *args, stream)
+            self._runtime.all_reduce(x, y, None, None, [], 0, pow2, *args, self._descriptor(x, spec, "none", pow2),
+                                     stream)
             return y
         layout = C.Layout(x.numel(), self.world_size, spec.group_size)
         compensator._ensure((self.world_size, layout.groups_per_segment, spec.group_size), self.device)
@@ -493,7 +510,8 @@ class EchoBuffer:
         coeffs = [c.gain, c.blend, c.one_minus_blend, c.slow_decay, c.one_minus_slow, c.fast_decay,
                   c.one_minus_fast]
         residual = 1 if c.residual == "local" else 2
-        self._runtime.all_reduce(x, y, c.m1, c.m2, coeffs, residual, pow2, *args, stream)
+        self._runtime.all_reduce(x, y, c.m1, c.m2, coeffs, residual, pow2, *args,
+                                 self._descriptor(x, spec, c.residual, pow2), stream)
         c.num_calls += 1  # as Compensator.update does; the kernel updated the state
         return y
 

@@ -36,6 +36,40 @@ PUBLISH_STAGE_NAMES = {kStagePush: "push", kStageReduce: "reduce", kStageGather:
 kErrorNone = 0
 kErrorTimeout = 1
 kErrorAborted = 2
+kErrorMismatch = 3  # the one-launch call: a peer's flag of this call carries a different call descriptor
+
+# The one-launch call's descriptor: 32 bits in the low half of every flag it writes (the high half is the
+# call's epoch), so that ranks calling with different arguments are caught by the flags they exchange
+# anyway. Fields (bit offset, width, values):
+DESCRIPTOR_DTYPES = ("float32", "float16", "bfloat16")
+DESCRIPTOR_GROUP_SIZES = (64, 128, 256)
+DESCRIPTOR_QUANTIZERS = ("zero_aware", "symmetric", "naive")
+DESCRIPTOR_RESIDUALS = ("none", "local", "output")
+kNumelHashBits = 21
+
+
+def numel_hash(numel: int) -> int:
+    """21 bits of the element count (Fibonacci hashing): equal counts give equal hashes, and two counts
+    that differ collide with probability 2^-21."""
+    return ((numel * 0x9E3779B1) & 0xFFFFFFFF) >> (32 - kNumelHashBits)
+
+
+def call_descriptor(*, numel: int, dtype: str, bits: int, group_size: int, quantizer: str, rotation: bool,
+                    pow2: bool, residual: str) -> int:
+    """The 32-bit descriptor of a one-launch call (see decode_descriptor)."""
+    return (DESCRIPTOR_DTYPES.index(dtype) | (int(bits == 8) << 2) | (DESCRIPTOR_GROUP_SIZES.index(group_size) << 3)
+            | (DESCRIPTOR_QUANTIZERS.index(quantizer) << 5) | (int(rotation) << 7) | (int(pow2) << 8)
+            | (DESCRIPTOR_RESIDUALS.index(residual) << 9) | (numel_hash(numel) << 11))
+
+
+def decode_descriptor(d: int) -> dict:
+    def pick(table, i):
+        return table[i] if i < len(table) else f"?{i}"
+
+    return {"dtype": pick(DESCRIPTOR_DTYPES, d & 3), "bits": 8 if (d >> 2) & 1 else 4,
+            "group_size": pick(DESCRIPTOR_GROUP_SIZES, (d >> 3) & 3), "quantizer": pick(DESCRIPTOR_QUANTIZERS, (d >> 5) & 3),
+            "rotation": bool((d >> 7) & 1), "pow2_rescale": bool((d >> 8) & 1),
+            "compensator": pick(DESCRIPTOR_RESIDUALS, (d >> 9) & 3), "numel (hash)": d >> 11}
 
 kDefaultTimeoutS = 5.0
 
@@ -92,9 +126,21 @@ class EchoP2PTimeout(EchoP2PError):
     """A cross-GPU wait passed its timeout: the message names rank, peer, stage and call number."""
 
 
+class EchoP2PMismatch(EchoP2PError):
+    """Ranks of a group made the same call with different arguments (one-launch call): the message names
+    every field that differs, with this rank's and the peer's value."""
+
+
 def describe_failure(f: WaitFailure, timeout_s: float, world_size: int) -> str:
     """The error message of a failed wait (one line)."""
     stage = WAIT_STAGE_NAMES.get(f.stage, f"stage {f.stage}")
+    if f.code == kErrorMismatch:
+        mine, theirs = decode_descriptor(f.expected), decode_descriptor(f.seen)
+        diff = [f"{k}: rank {f.rank} {mine[k]!r}, rank {f.peer} {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+        return (f"echo p2p: rank {f.rank} of {world_size} and rank {f.peer} made call {f.call_index} with different "
+                f"arguments ({'; '.join(diff) or 'descriptor ' + hex(f.expected) + ' vs ' + hex(f.seen)}); every rank "
+                f"of a group must call all_reduce in the same order with the same size, dtype and settings. The "
+                f"call's result is undefined and the buffer is unusable.")
     if f.one_launch:
         last = "it has never written this flag" if f.seen == 0 else f"the flag holds call {f.seen}"
         where = f"block {f.tile} of " if f.stage in (kWaitReduce, kWaitTail) else ""
