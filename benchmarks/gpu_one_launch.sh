@@ -17,16 +17,8 @@ export ECHO_P2P_LOG=$OUT/p2p_log.txt
 : > "$ECHO_P2P_LOG"
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1; } > "$OUT/env.txt" 2>&1
 
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/echo_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/echo_mps_log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-MPS=0
-if nvidia-cuda-mps-control -d 2>/dev/null; then
-  if timeout 60 python3 -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()" 2>/dev/null; then
-    MPS=1
-  else
-    echo quit | nvidia-cuda-mps-control; sleep 1
-  fi
-fi
+source benchmarks/gpu_mps.sh
+start_mps
 stamp "MPS: $MPS"
 
 timeout 400 python3 -c "
@@ -52,7 +44,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     | tee "$OUT/bench.log" | grep -v "WARNING"
   stamp "bench done"
 fi
-[ "$MPS" = 1 ] && echo quit | nvidia-cuda-mps-control
+stop_mps
 echo "=== summary ==="
 cat "$ECHO_P2P_LOG"
 grep -h -E "passed|failed|error" "$OUT/test.log" 2>/dev/null | tail -4

@@ -25,16 +25,8 @@ export ECHO_P2P_LOG=$OUT/p2p_log.txt
 cat "$OUT/env.txt"
 
 # MPS, with its own pipe directory; checked with one CUDA context before it is relied on.
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/echo_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/echo_mps_log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-MPS=0
-if nvidia-cuda-mps-control -d 2>/dev/null; then
-  if timeout 60 python3 -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()" 2>/dev/null; then
-    MPS=1
-  else
-    echo quit | nvidia-cuda-mps-control; sleep 1
-  fi
-fi
+source benchmarks/gpu_mps.sh
+start_mps
 stamp "MPS: $MPS"
 
 # The fused kernels (echo_ds.ops, issue 4) build in the background while the transport runs alone.
@@ -73,7 +65,7 @@ stamp "bench done"
 { timeout 60 $PYTEST tests/test_p2p_gpu.py -k "$KILLED" --timeout 50; stamp "killed-rank tests done"; } 2>&1 \
   | tee -a "$OUT/test.log" | grep -v "^\[.*WARNING"
 
-[ "$MPS" = 1 ] && echo quit | nvidia-cuda-mps-control
+stop_mps
 echo "=== summary ==="
 cat "$ECHO_P2P_LOG"
 grep -h -E "passed|failed|error" "$OUT/test.log" | tail -4

@@ -50,55 +50,49 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// Spin until *flag == expected (true), or give up (false): after timeout_ns, at once when the host asked
-// to abort or an earlier wait of this rank failed. The first failure fills the error record.
-__device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint64_t* flag, uint64_t expected, uint32_t stage,
-                          int peer) {
-  P2PControl* control = a.control;
+// The first failure of this rank: poison the control block (every later wait gives up at once) and fill
+// the mapped error record, `code` last. Words of the record: the epoch as call; expected and seen are the
+// epochs (timeout, abort) or the two descriptors (mismatch).
+__device__ __forceinline__ void record_failure(const P2PAllReduceArgs& a, uint32_t code, int peer, uint32_t stage,
+                                               uint64_t expected, uint64_t seen, uint64_t waited_ns) {
+  if (atomicCAS(&a.control->poisoned, 0u, 1u) != 0u) return;  // a failure is already recorded
+  const bool mismatch = code == kP2PErrorMismatch;
+  volatile P2PErrorRecord* e = a.error;
+  e->rank = static_cast<uint32_t>(a.rank);
+  e->peer = static_cast<uint32_t>(peer);
+  e->stage = stage;
+  e->tile = blockIdx.x;
+  e->call_index = static_cast<uint32_t>(expected >> 32);
+  e->expected = static_cast<uint32_t>(mismatch ? expected : expected >> 32);
+  e->seen = static_cast<uint32_t>(mismatch ? seen : seen >> 32);
+  e->waited_ns = waited_ns;
+  e->reserved[0] = 1;  // the one-launch kernel's record (echo_ds/p2p/protocol.py, WaitFailure)
+  __threadfence_system();
+  e->code = code;
+  __threadfence_system();
+}
+
+// Spin until *flag == expected (true), or give up (false): at once when the flag holds this call's epoch
+// with another descriptor (the peer made another call); after timeout_ns; at once when the host asked to
+// abort or an earlier wait of this rank failed.
+__device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint64_t* flag, uint64_t expected,
+                                          uint32_t stage, int peer) {
   uint64_t seen = ld_acquire_sys(flag);
   if (seen == expected) return true;
   const uint64_t start = global_timer_ns();
   uint32_t polls = 0;
   while (true) {
-    if ((seen >> 32) == (expected >> 32)) {  // this call's epoch, another call's descriptor
-      if (atomicCAS(&control->poisoned, 0u, 1u) == 0u) {
-        volatile P2PErrorRecord* e = a.error;
-        e->rank = static_cast<uint32_t>(a.rank);
-        e->peer = static_cast<uint32_t>(peer);
-        e->stage = stage;
-        e->tile = blockIdx.x;
-        e->call_index = static_cast<uint32_t>(expected >> 32);
-        e->expected = static_cast<uint32_t>(expected);
-        e->seen = static_cast<uint32_t>(seen);
-        e->waited_ns = global_timer_ns() - start;
-        e->reserved[0] = 1;
-        __threadfence_system();
-        e->code = kP2PErrorMismatch;
-        __threadfence_system();
-      }
+    if ((seen >> 32) == (expected >> 32)) {
+      record_failure(a, kP2PErrorMismatch, peer, stage, expected, seen, global_timer_ns() - start);
       return false;
     }
     // The slow checks (clock, abort word in host memory, poison) every 64 polls keep the loop on the flag.
     if ((++polls & 63) == 0) {
       const uint64_t waited = global_timer_ns() - start;
       const bool aborted = *reinterpret_cast<volatile uint32_t*>(&a.error->abort_request) != 0;
-      const bool poisoned = *reinterpret_cast<volatile uint32_t*>(&control->poisoned) != 0;
+      const bool poisoned = *reinterpret_cast<volatile uint32_t*>(&a.control->poisoned) != 0;
       if (waited > a.timeout_ns || aborted || poisoned) {
-        if (!poisoned && atomicCAS(&control->poisoned, 0u, 1u) == 0u) {
-          volatile P2PErrorRecord* e = a.error;
-          e->rank = static_cast<uint32_t>(a.rank);
-          e->peer = static_cast<uint32_t>(peer);
-          e->stage = stage;
-          e->tile = blockIdx.x;
-          e->call_index = static_cast<uint32_t>(expected >> 32);
-          e->expected = static_cast<uint32_t>(expected >> 32);
-          e->seen = static_cast<uint32_t>(seen >> 32);
-          e->waited_ns = waited;
-          e->reserved[0] = 1;  // the one-launch kernel's record (echo_ds/p2p/protocol.py, WaitFailure)
-          __threadfence_system();
-          e->code = aborted ? kP2PErrorAborted : kP2PErrorTimeout;
-          __threadfence_system();
-        }
+        if (!poisoned) record_failure(a, aborted ? kP2PErrorAborted : kP2PErrorTimeout, peer, stage, expected, seen, waited);
         return false;
       }
     }

@@ -98,6 +98,16 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _raw_stream(device: torch.device) -> int:
+    """The current stream's handle (torch's raw accessor where the build has it: no Stream object)."""
+    if _current_raw_stream is not None:
+        return _current_raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _default_timeout() -> float:
     return float(os.environ.get("ECHO_P2P_TIMEOUT_S", proto.kDefaultTimeoutS))
 
@@ -145,8 +155,7 @@ class EchoBuffer:
         self._schedules: "OrderedDict[object, Schedule]" = OrderedDict()
         self._runtime = None  # echo_ds.ops' P2PRuntime: the one-launch call
         self._decisions = {}  # call-policy key -> Decision (a pure function of the key)
-        self._fused_args = {}  # QuantSpec -> the one-launch call's constant arguments
-        self._descriptors = {}  # (numel, dtype, spec, residual, pow2) -> the one-launch call's descriptor
+        self._plans = {}  # a call's key -> the one-launch call's arguments (see all_reduce)
         self._streams = {}
         self._events = {}
         self._num_calls = 0
@@ -431,6 +440,14 @@ class EchoBuffer:
         return bit-identical tensors). Asynchronous like a NCCL call: the result is ordered on the
         current stream; a failed wait surfaces at the next call, ``synchronize()`` or ``check()``.
         """
+        plan = None
+        if self._runtime is not None:  # the one-launch fast path: one dict lookup, then the call
+            key = (x.dtype, x.numel(), x.device, spec, bool(pow2_rescale),
+                   None if compensator is None else (compensator.residual, compensator.telemetry))
+            plan = self._plans.get(key)
+            if plan is not None and not self.closed:
+                self.check()
+                return self._one_launch(x, plan, compensator)
         if not x.is_floating_point():
             raise TypeError(f"all_reduce expects a floating-point tensor, got {x.dtype}")
         if self.closed:
@@ -446,11 +463,12 @@ class EchoBuffer:
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale)
         self.check()
         if self._runtime is not None and x.numel() * x.element_size() <= self.one_launch_max_bytes:
-            args = self._fused_args.get(spec)
-            if args is None:
-                args = self._fused_args[spec] = self._one_launch_args(x, spec)
-            if args is not False:
-                return self._one_launch(x, spec, args, compensator, pow2_rescale)
+            plan = self._one_launch_plan(x, spec, compensator, pow2_rescale)
+            if plan is not None:
+                if len(self._plans) >= 4096:
+                    self._plans.clear()
+                self._plans[key] = plan
+                return self._one_launch(x, plan, compensator)
         if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
             # NOTE: an event recorded inside a capture must never be waited on outside it (CUDA answers
             # "invalid argument", seen on the H200 at the first eager call after a replay), so a captured
@@ -467,8 +485,10 @@ class EchoBuffer:
     # The one-launch call
     # ------------------------------------------------------------------------------------------------
 
-    def _one_launch_args(self, x: torch.Tensor, spec: QuantSpec):
-        """The constant arguments of the one-launch call for ``spec`` (False: it cannot run it)."""
+    def _one_launch_plan(self, x: torch.Tensor, spec: QuantSpec, compensator, pow2: bool):
+        """The one-launch call's arguments for calls like this one (None: the kernel does not support it):
+        (state shape, residual code, group size, bits, quantizer code, Hadamard signs and norm,
+        descriptor, pow2). Only calls the policy accepted get here; the plan is cached by their key."""
         from echo_ds.ops import kernels as K
 
         why = K.unsupported_reason(self.world_size, spec, x.dtype)
@@ -476,22 +496,19 @@ class EchoBuffer:
             if self.stages == "fused":
                 _warn_once(f"the one-launch kernel does not support this call ({why}); it runs the staged "
                            f"pipeline", self.rank)
-            return False
+            return None
         signs, norm = K._hadamard_args(spec)
-        return (spec.group_size, spec.bits, K.POLICY_CODES[spec.policy], signs, norm)
+        residual = "none" if compensator is None else compensator.residual
+        descriptor = proto.call_descriptor(
+            numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
+            quantizer=spec.policy, rotation=spec.rotation, pow2=bool(pow2), residual=residual)
+        layout = C.Layout(x.numel(), self.world_size, spec.group_size)
+        state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
+        return (state_shape, {"none": 0, "local": 1, "output": 2}[residual], spec.group_size, spec.bits,
+                K.POLICY_CODES[spec.policy], signs, norm, descriptor, bool(pow2))
 
-    def _descriptor(self, x, spec, residual: str, pow2: bool) -> int:
-        key = (x.numel(), x.dtype, spec, residual, bool(pow2))
-        d = self._descriptors.get(key)
-        if d is None:
-            if len(self._descriptors) >= 4096:
-                self._descriptors.clear()
-            d = self._descriptors[key] = proto.call_descriptor(
-                numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
-                quantizer=spec.policy, rotation=spec.rotation, pow2=bool(pow2), residual=residual)
-        return d
-
-    def _one_launch(self, x, spec, args, compensator, pow2):
+    def _one_launch(self, x, plan, compensator):
+        state_shape, residual, g, bits, policy_code, signs, norm, descriptor, pow2 = plan
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -499,19 +516,17 @@ class EchoBuffer:
         if self._fault == (self._num_calls, "exit_after_push"):
             torch.cuda.synchronize(self.device)
             os._exit(17)  # tests: a rank dies in the middle of the group's call (its peers wait for it)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = _raw_stream(self.device)
         if compensator is None:
-            self._runtime.all_reduce(x, y, None, None, [], 0, pow2, *args, self._descriptor(x, spec, "none", pow2),
+            self._runtime.all_reduce(x, y, None, None, [], 0, pow2, g, bits, policy_code, signs, norm, descriptor,
                                      stream)
             return y
-        layout = C.Layout(x.numel(), self.world_size, spec.group_size)
-        compensator._ensure((self.world_size, layout.groups_per_segment, spec.group_size), self.device)
         c = compensator
+        c._ensure(state_shape, self.device)
         coeffs = [c.gain, c.blend, c.one_minus_blend, c.slow_decay, c.one_minus_slow, c.fast_decay,
                   c.one_minus_fast]
-        residual = 1 if c.residual == "local" else 2
-        self._runtime.all_reduce(x, y, c.m1, c.m2, coeffs, residual, pow2, *args,
-                                 self._descriptor(x, spec, c.residual, pow2), stream)
+        self._runtime.all_reduce(x, y, c.m1, c.m2, coeffs, residual, pow2, g, bits, policy_code, signs, norm,
+                                 descriptor, stream)
         c.num_calls += 1  # as Compensator.update does; the kernel updated the state
         return y
 
