@@ -56,7 +56,8 @@ import echo_ds.deepspeed as echo  # noqa: E402
 DEFAULT_DATA = os.path.join(REPO, "examples", "data", "shakespeare_sample.txt")
 
 
-def parse_args():
+def parse_args(argv=None):
+    """The command line (``argv``: a list instead of sys.argv, e.g. from benchmarks/deepspeed_gpu.py)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=DEFAULT_DATA, help="any UTF-8 text file (character-level model)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
@@ -71,7 +72,7 @@ def parse_args():
     p.add_argument("--tp", type=int, default=None, help="override tensor_parallel.autotp_size of the config")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.add_config_arguments(p)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def load_ds_config(args) -> dict:

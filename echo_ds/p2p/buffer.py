@@ -266,6 +266,9 @@ class EchoBuffer:
                 # of one rank never scheduled while the others spun.
                 resident = int(ext.p2p_resident_blocks())
                 cap = min(L.kFusedMaxBlocks, resident if sharing == 1 else resident // (2 * sharing))
+                # Experiments only (benchmarks/RESULTS.md): ECHO_P2P_MAX_BLOCKS replaces the cap; above what
+                # is resident at once a call can hang until the timeout.
+                cap = min(L.kFusedMaxBlocks, int(os.environ.get("ECHO_P2P_MAX_BLOCKS", cap)))
                 ok = cap >= 1
                 why = "" if ok else f"{sharing} ranks share one device: no block left for each"
             except Exception as e:  # noqa: BLE001 - the staged pipeline still works
