@@ -127,7 +127,11 @@ __device__ __forceinline__ void signal_peers(const P2PAllReduceArgs& a, uint64_t
 
 // 256 threads at up to 128 registers: 2 blocks resident per SM, which the grid cap counts on
 // (p2p_resident_blocks). At 3 (80 registers) ptxas spilled; the entry's prefetch needs the registers.
-constexpr int kFusedMinBlocks = 2;
+// -DECHO_FUSED_MIN_BLOCKS=n builds others for comparison (benchmarks/RESULTS.md).
+#ifndef ECHO_FUSED_MIN_BLOCKS
+#define ECHO_FUSED_MIN_BLOCKS 2
+#endif
+constexpr int kFusedMinBlocks = ECHO_FUSED_MIN_BLOCKS;
 
 template <typename T, int kWorld, int kBits, int kGroupSize>
 __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const P2PAllReduceArgs a) {

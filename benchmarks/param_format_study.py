@@ -1,0 +1,303 @@
+"""Cheaper per-group parameters so that g = 64 fits 4.25 bits per value (issue 20, first lever).
+
+Today's quantizer sends, per group of g values, the 4-bit codes plus an fp16 scale and an fp16 zero-point
+(32 bits): 4.25 bits/value at g = 128, 4.5 at g = 64. This study keeps g = 64 and spends 16 bits per group
+on the parameters instead, 64 x 4 + 16 = 272 bits = 4.25 bits/value, and measures what that costs:
+
+    g128_fp16           today's default: zero-aware, Hadamard, fp16 scale + fp16 zero        4.25 bits
+    g64_fp16            the same at g = 64                                                    4.50 bits
+    g64_ue5m3_int8      g = 64; scale as an unsigned 8-bit float "ue5m3" (fp16's 5-bit exponent,
+                        bias 15, and the top 3 of its 10 mantissa bits; no sign: a scale is >= 0),
+                        rounded UP; zero-point an 8-bit signed integer (int8)                 4.25 bits
+    g64_symmetric_fp16  g = 64, the library's "symmetric" policy: fp16 scale, the zero-point is
+                        the constant 2^(b-1) and is not sent                                   4.25 bits
+    g128_ue5m3_int8     the 8 + 8 bit format at g = 128 (how much of the change is the format)  4.125 bits
+
+The ue5m3 + int8 format (study only, not in the library). The library's zero-aware parameters (s, z) of
+a group are computed first (``echo_ds.quant.compute_params``, unchanged), then:
+
+* scale: s8 = the smallest ue5m3 value >= s. ue5m3 is fp16 with the 7 low mantissa bits dropped, so
+  s8 = fp16_round_up(s) with its bit pattern rounded up to a multiple of 2^7 (an exact carry into the
+  exponent). Range [2^-17 (subnormal), 61440]; a scale below 2^-17 becomes 2^-17 (the library's floor is
+  fp16's 2^-24), one above 61440 saturates to it (the library's ceiling is 65504). Exponent field 31 is
+  kept for NaN (a non-finite group still decodes to NaN in full).
+* zero-point: an integer z in [-128, 127] that keeps the whole group [min, max] on the grid under s8:
+  ceil(-min / s8) <= z <= floor(2^b - 1 - max / s8). Of those integers the one nearest to the library's z
+  is taken. For a group that straddles 0 the library's z is already an integer in [1, 14] and stays
+  feasible under any s8 >= s, so it is kept unchanged (0 stays exact). A one-sided group, whose
+  library z is fractional, may find no feasible integer (or none in int8's range) under s8: its s8 is
+  then raised to the next ue5m3 value until one exists (counted in "bumped" below). Nothing clips: the
+  codes still cover [min, max] up to fp32 rounding.
+* encode and decode are the library's own (q = clip(rint(x / s + z)), x_hat = (q - z) s, fp32), fed
+  with these parameters (stored as fp16 tensors, which hold every ue5m3 value and every int8 exactly).
+
+Implementation: the study process replaces ``echo_ds.quant.compute_params`` (looked up by
+``quantize_groups`` at call time) with a dispatcher that applies the format of the variant being
+evaluated, and ``echo_ds.quant.wire_bytes`` (looked up by the emulator's wire statistics) with one that
+counts that format's parameter bytes per group (4 for fp16 + fp16, 2 for ue5m3 + int8, 2 for symmetric
+with the constant zero-point unsent). The library files are not modified.
+
+Everything else is ``python -m echo_ds.eval perplexity`` (echo_ds.eval.perplexity.evaluate): SmolLM2-135M
+in float32 on the CPU, emulated TP at P = 4 over the 60 forward sites, the default Echo config (Hadamard
+rotation, zero-aware, residual "local", gain 1.0, compensator reset per sequence) with only the group
+size, the quantizer policy and the parameter format changed; perplexity, KL(p_16bit || p) and top-1
+agreement against the 16-bit model on every predicted position. Texts: the default held-out text
+(PPL.kDefaultText; its first 4096 tokens are all The Tempest), and the first 4096 tokens of macbeth.txt
+and hamlet.txt from the shared corpus. Run from the repository root (CPU, ~30 min on 2 busy cores):
+
+    python benchmarks/param_format_study.py --json docs/results/param_format_study.json
+
+The ue5m3 + int8 variants carry "format_stats" in the JSON, counted over every quantization call (the
+segments each rank sends and the owners' re-quantization, all sequences): the finite groups quantized,
+those whose ue5m3 scale had to be bumped past the round-up to admit an integer zero-point ("bumped"),
+those at the saturated scale 61440, straddling groups whose zero-point differs from the library's (0 by
+construction), and the mean ratio of the ue5m3 scale to the library's fp16 scale of the same group.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from echo_ds import quant as Q  # noqa: E402
+from echo_ds.config import EchoConfig  # noqa: E402
+from echo_ds.eval import perplexity as PPL  # noqa: E402
+from echo_ds.eval.tp_emulation import TPEmulator  # noqa: E402
+
+kShared = "/work/shared/data/shakespeare"
+DEFAULT_TEXTS = (
+    ("default (Tempest)", PPL.kDefaultText),
+    ("macbeth", os.path.join(kShared, "macbeth.txt")),
+    ("hamlet", os.path.join(kShared, "hamlet.txt")),
+)
+
+# name -> (group_size, quantizer policy, parameter format)
+VARIANTS = {
+    "g128_fp16": (128, "zero_aware", "fp16"),
+    "g64_fp16": (64, "zero_aware", "fp16"),
+    "g64_ue5m3_int8": (64, "zero_aware", "ue5m3_int8"),
+    "g64_symmetric_fp16": (64, "symmetric", "fp16_nozero"),
+    "g128_ue5m3_int8": (128, "zero_aware", "ue5m3_int8"),
+}
+# Parameter bytes per group on the wire, per format.
+PARAM_BYTES = {"fp16": 4, "ue5m3_int8": 2, "fp16_nozero": 2}
+kUe5m3Max = 61440.0      # 0x7B80 as fp16: exponent 15, mantissa 0b111
+kUe5m3Min = 2.0**-17     # smallest subnormal: 1/8 of 2^-14
+kInt8Min, kInt8Max = -128.0, 127.0
+
+_original_compute_params = Q.compute_params
+_original_wire_bytes = Q.wire_bytes
+_state = {"format": "fp16", "variant": None}  # the variant being evaluated (set by StudyEmulator)
+_stats = {}                   # variant name -> counters of the ue5m3 + int8 format
+
+
+# ----------------------------------------------------------------------------------------------------
+# The ue5m3 + int8 parameter format
+# ----------------------------------------------------------------------------------------------------
+
+def ue5m3_round_up(s: torch.Tensor) -> torch.Tensor:
+    """Smallest ue5m3 value >= s (fp32 in, fp16 out holding the ue5m3 value); NaN stays NaN."""
+    s = torch.clamp(s, min=kUe5m3Min, max=kUe5m3Max)
+    h = Q.fp16_round_up(s)                       # smallest fp16 >= s (exact ceiling)
+    bits = h.view(torch.int16).to(torch.int32)
+    bits = (bits + 127) & ~127                   # ceiling to 3 mantissa bits, carry into the exponent
+    out = bits.to(torch.int16).view(torch.float16)
+    return torch.where(torch.isnan(s), torch.full_like(out, float("nan")), out)
+
+
+def ue5m3_next_up(s8: torch.Tensor) -> torch.Tensor:
+    """The next ue5m3 value above s8 (saturating at the largest)."""
+    bits = s8.view(torch.int16).to(torch.int32) + 128
+    out = bits.to(torch.int16).view(torch.float16)
+    return torch.where(out.float() > kUe5m3Max, s8, out)
+
+
+def is_ue5m3(s8: torch.Tensor) -> torch.Tensor:
+    bits = s8.view(torch.int16).to(torch.int32)
+    return (bits & 127) == 0
+
+
+def ue5m3_int8_params(groups: torch.Tensor, bits: int, policy: str):
+    """(scale, zero, finite) in the ue5m3 + int8 format, from the library's zero-aware parameters."""
+    scale16, zero16, finite = _original_compute_params(groups, bits, policy)
+    mn = groups.amin(dim=1)
+    mx = groups.amax(dim=1)
+    zf = torch.zeros_like(mn)
+    mn = torch.where(finite, mn, zf)
+    mx = torch.where(finite, mx, zf)
+    L = float(2**bits - 1)
+    s8 = ue5m3_round_up(scale16.float())
+    z_lib = zero16.float()
+    bumped = torch.zeros_like(finite)
+    for _ in range(64):
+        s = s8.float()
+        lo = torch.clamp(torch.ceil(-mn / s), min=kInt8Min)
+        hi = torch.clamp(torch.floor(L - mx / s), max=kInt8Max)
+        bad = finite & (lo > hi) & (s < kUe5m3Max)
+        if not bool(bad.any()):
+            break
+        bumped |= bad
+        s8 = torch.where(bad, ue5m3_next_up(s8), s8)
+    else:
+        raise RuntimeError("ue5m3_int8_params: no feasible integer zero-point after 64 bumps")
+    # Nearest integer to the library's zero-point inside [lo, hi] (an empty range only at the saturated
+    # scale: then the clamp takes hi, and the group's far end clips, as the library's saturation does).
+    z = torch.minimum(torch.maximum(torch.round(z_lib), lo), hi)
+    z = torch.where(finite, z, torch.zeros_like(z))
+    scale = torch.where(finite, s8, torch.full_like(s8, float("nan")))
+    st = _stats.setdefault(_state["variant"], {"groups": 0, "bumped": 0, "scale_ratio_sum": 0.0,
+                                          "straddle_zero_changed": 0, "saturated": 0})
+    st["groups"] += int(finite.sum())
+    st["bumped"] += int(bumped.sum())
+    st["saturated"] += int((finite & (s8.float() >= kUe5m3Max)).sum())
+    ratio = s8.float() / scale16.float()
+    st["scale_ratio_sum"] += float(ratio[finite].double().sum())
+    straddle = finite & (mn < 0) & (mx > 0)
+    st["straddle_zero_changed"] += int((straddle & (z != z_lib)).sum())
+    return scale, z.to(torch.float16), finite
+
+
+def study_compute_params(groups: torch.Tensor, bits: int, policy: str):
+    if _state["format"] == "ue5m3_int8":
+        return ue5m3_int8_params(groups, bits, policy)
+    return _original_compute_params(groups, bits, policy)
+
+
+def study_wire_bytes(numel: int, bits: int, group_size: int) -> int:
+    num_groups = -(-numel // group_size)
+    return num_groups * (group_size * bits // 8 + PARAM_BYTES[_state["format"]])
+
+
+def self_check() -> None:
+    """The format's invariants on random groups (raises on failure)."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 64) * torch.exp(torch.randn(4096, 1) * 2)
+    x[:512] = x[:512].abs() + torch.rand(512, 1) * 10 * x[:512].abs().amax(1, keepdim=True)  # one-sided
+    x[512:1024] = -x[512:1024].abs()
+    x[1024] = 0.0
+    x[1025, 3] = float("nan")
+    s, z, finite = ue5m3_int8_params(x, 4, "zero_aware")
+    ok = finite & (s.float() < kUe5m3Max)
+    assert bool(is_ue5m3(s[ok]).all()), "scale not on the ue5m3 grid"
+    assert bool((z[ok] == torch.round(z[ok])).all()) and bool((z[ok].abs() <= 128).all()), "zero not int8"
+    q = Q.encode(x, s, z, finite, 4, "zero_aware")
+    xh = Q.decode(q, s, z)
+    err = (xh - x).abs()[ok]
+    bound = (0.5 * s.float()[ok, None]) * (1 + 2.0**-20) + 1e-30
+    assert bool((err <= bound + x.abs()[ok].amax() * 2.0**-22).all()), "a value clipped"
+    assert bool(torch.isnan(xh[1025]).all()), "non-finite group does not decode to NaN"
+    s16, _, _ = _original_compute_params(x, 4, "zero_aware")
+    assert bool((s.float()[ok] >= s16.float()[ok]).all()), "scale rounded down"
+    _stats.clear()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Emulation
+# ----------------------------------------------------------------------------------------------------
+
+class StudyEmulator(TPEmulator):
+    """TPEmulator that switches the parameter format with the config being evaluated."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.format_of = {}   # id(config) -> (variant name, format)
+
+    def set_config(self, config) -> None:
+        _state["variant"], _state["format"] = self.format_of.get(id(config), (None, "fp16"))
+        super().set_config(config)
+
+
+def make_config(base: EchoConfig, group_size: int, policy: str) -> EchoConfig:
+    data = base.model_dump()
+    data.update(group_size=group_size, quantizer=policy)
+    return EchoConfig(**data)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
+    ap.add_argument("--text", action="append", default=[], metavar="NAME=PATH",
+                    help="texts (repeatable; default: the held-out default text, macbeth.txt, hamlet.txt)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    for n in names:
+        if n not in VARIANTS:
+            raise SystemExit(f"--variants: unknown {n!r} (choose from {list(VARIANTS)})")
+    texts = [tuple(t.split("=", 1)) for t in args.text] or list(DEFAULT_TEXTS)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    self_check()
+    Q.compute_params = study_compute_params
+    Q.wire_bytes = study_wire_bytes
+
+    from echo_ds.eval.models import load_model
+
+    loaded = load_model("smollm2", dtype=torch.float32, device="cpu")
+    base = EchoConfig()
+    runs = []
+    with StudyEmulator(loaded.model, args.tp) as tp:
+        for text_name, path in texts:
+            text = PPL.read_text(path)
+            sequences = PPL.tokenize_sequences(loaded.tokenizer, text, args.tokens, args.seq_len)
+            variants = []
+            for n in names:
+                g, policy, fmt = VARIANTS[n]
+                cfg = make_config(base, g, policy)
+                tp.format_of[id(cfg)] = (n, fmt)
+                variants.append(PPL.Variant(n, cfg, None, f"g={g}, {policy}, params {fmt}"))
+            _stats.clear()
+            start = time.perf_counter()
+            results = PPL.evaluate(loaded.model, tp, sequences, variants)
+            ref = results[0]["ppl"]
+            for r in results:
+                r["ppl_rel_change"] = r["ppl"] / ref - 1.0
+            for r in results[1:]:
+                g, policy, fmt = VARIANTS[r["name"]]
+                r.update(group_size=g, policy=policy, param_format=fmt)
+                st = _stats.get(r["name"])
+                if st:
+                    r["format_stats"] = dict(st, bumped_share=st["bumped"] / st["groups"],
+                                             mean_scale_ratio=st["scale_ratio_sum"] / st["groups"])
+            runs.append(dict(text=text_name, path=os.path.relpath(path) if not path.startswith(kShared) else path,
+                             text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                             tokens=sum(int(s.numel()) for s in sequences), num_sequences=len(sequences),
+                             seconds=time.perf_counter() - start, results=results))
+            print(f"\n## {text_name}: {runs[-1]['tokens']} tokens, 16-bit ppl {ref:.3f}")
+            print("| variant | bits/value | ppl | vs 16-bit | KL | top-1 |")
+            print("|---|---:|---:|---:|---:|---:|")
+            for r in results:
+                print(f"| {r['name']} | {r['wire_bits_per_element']:.3f} | {r['ppl']:.3f} | "
+                      f"{100 * r['ppl_rel_change']:+.2f}% | {r['kl']:.4f} | {100 * r['top1_agreement']:.1f}% |")
+            sys.stdout.flush()
+            if args.json:   # write after every text, so a partial run leaves its results
+                doc = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                           command="python " + " ".join(sys.argv), model=loaded.name, tokens=args.tokens,
+                           seq_len=args.seq_len, tp=args.tp, machine=platform.platform(),
+                           torch=torch.__version__, num_threads=torch.get_num_threads(),
+                           base_config=base.model_dump(mode="json"),
+                           variants={n: dict(zip(("group_size", "policy", "param_format"), VARIANTS[n]))
+                                     for n in names},
+                           param_bytes_per_group=PARAM_BYTES, runs=runs)
+                os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+                Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
