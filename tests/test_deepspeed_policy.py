@@ -159,3 +159,18 @@ def test_ds_configs_parse():
     assert load("tp4_gpu_echo4.json")["tensor_parallel"]["autotp_size"] == 4
     inf = load("inference_tp4_echo4.json")
     assert EchoConfig.from_ds_config(inf).enabled and inf["tensor_parallel"]["tp_size"] == 4
+
+
+def test_init_inference_reads_a_path_as_deepspeed_does(tmp_path):
+    """A config path is read as DeepSpeed reads it: comments allowed, duplicate keys refused naming the file."""
+    import echo_ds.deepspeed as echo
+    from echo_ds.config import EchoConfigError
+
+    commented = tmp_path / "inference.json"
+    commented.write_text('{\n  // the Echo section\n  "echo": {"bits": 4}\n}\n')
+    with pytest.raises(ValueError, match="both in 'config' and as a keyword"):  # read, then the sections compared
+        echo.init_inference(torch.nn.Linear(2, 2), config=str(commented), echo={"bits": 8})
+    duplicated = tmp_path / "dup.json"
+    duplicated.write_text('{"echo": {"bits": 4, "bits": 8}}')
+    with pytest.raises(EchoConfigError, match="dup.json.*duplicate key 'bits'"):
+        echo.init_inference(torch.nn.Linear(2, 2), config=duplicated)

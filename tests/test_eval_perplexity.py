@@ -78,6 +78,20 @@ def test_shipped_configs_load_and_cover_table_8():
     assert [early.bits_for_site(k, 60) for k in (0, 29, 30, 59)] == [8, 8, 4, 4]
 
 
+def test_echo_config_files_are_read_as_deepspeed_reads_them(tmp_path):
+    from echo_ds.config import EchoConfigError
+
+    commented = tmp_path / "commented.json"
+    commented.write_text('{\n  // a comment, as in the README\'s example\n  "echo": {"bits": 8},\n'
+                         '  "description": "with a comment"\n}\n')
+    cfg, description = ppl.load_echo_config(str(commented))
+    assert cfg.bits == 8 and description == "with a comment"
+    duplicated = tmp_path / "dup.json"
+    duplicated.write_text('{"echo": {"bits": 4}, "echo": {"bits": 8}}')
+    with pytest.raises(EchoConfigError, match="dup.json.*duplicate key 'echo'"):
+        ppl.load_echo_config(str(duplicated))
+
+
 def test_variant_specs(tmp_path):
     ds = write_json(tmp_path / "ds.json", {"train_batch_size": 8, "echo": {"bits": 8}})
     bare = write_json(tmp_path / "bare.json", {"bits": 4, "group_size": 64, "description": "bare section"})

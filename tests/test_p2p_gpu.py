@@ -74,7 +74,7 @@ def test_gpu_one_launch_mismatch_is_named(world_size, field):
     descriptor, so every rank raises EchoP2PMismatch naming the field (long before the timeout)."""
     cfg = {"timeout_s": 10.0, "field": field}
     results = run_distributed(p2p_suite.mismatch_body, world_size, cfg, timeout=120)
-    want = {"bits": "bits: rank", "numel": "numel (hash): rank"}[field]
+    want = {"bits": "bits: rank", "numel": "numel/site/direction (hash): rank"}[field]
     for rank, r in enumerate(results):
         assert r["call"] == 3 and want in r["message"] and "different arguments" in r["message"], r
         assert r["waited_s"] < 5.0, r

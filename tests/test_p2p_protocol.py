@@ -224,10 +224,13 @@ def test_call_descriptor_round_trip_and_mismatch_message():
     fields = proto.decode_descriptor(d)
     assert fields["dtype"] == "bfloat16" and fields["bits"] == 4 and fields["group_size"] == 128
     assert fields["quantizer"] == "zero_aware" and fields["rotation"] and not fields["pow2_rescale"]
-    assert fields["compensator"] == "local" and fields["numel (hash)"] == proto.numel_hash(1000)
+    assert fields["compensator"] == "local" and fields[proto.kHashField] == proto.numel_hash(1000)
+    site3 = proto.call_descriptor(**dict(base, site=3, direction="forward"))
+    assert site3 != proto.call_descriptor(**dict(base, site=4, direction="forward"))
+    assert site3 != proto.call_descriptor(**dict(base, site=3, direction="backward"))
     # every field, changed alone, changes the descriptor
     for k, v in dict(numel=1020, dtype="float16", bits=8, group_size=64, quantizer="naive", rotation=False,
-                     pow2=True, residual="output").items():
+                     pow2=True, residual="output", site=3, direction="forward").items():
         assert proto.call_descriptor(**dict(base, **{k: v})) != d, k
     other = proto.call_descriptor(**dict(base, bits=8))
     f = proto.WaitFailure(proto.kErrorMismatch, 0, 1, proto.kWaitReduce, 0, 3, d, other, 10, one_launch=True)

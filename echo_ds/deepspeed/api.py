@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
+import os
 from typing import Any, Dict, Optional, Tuple
 
 import deepspeed
@@ -19,6 +19,7 @@ import torch
 from deepspeed.module_inject.layers import is_autotp_training_mode
 
 from . import layers as echo_layers
+from ..config import read_ds_config
 from .runtime import EchoRuntime, log_once
 
 _RUNTIME_ATTR = "_echo_runtime"
@@ -43,14 +44,14 @@ initialize.__signature__ = inspect.signature(deepspeed.initialize)
 def init_inference(model: torch.nn.Module, config=None, **kwargs):
     """``deepspeed.init_inference`` with the row-parallel all-reduces through Echo (forward sites only).
 
-    ``config`` is a dict or a JSON path as for DeepSpeed; its ``"echo"`` section (or an ``echo=`` keyword)
-    is taken out before DeepSpeed's strict inference config sees it. Returns the ``InferenceEngine``.
+    ``config`` is a dict or a path as for DeepSpeed (read as DeepSpeed reads it: hjson, comments allowed);
+    its ``"echo"`` section (or an ``echo=`` keyword) is taken out before DeepSpeed's strict inference config
+    sees it. Returns the ``InferenceEngine``.
     """
     if config is None:
         config_dict: Dict[str, Any] = {}
-    elif isinstance(config, str):
-        with open(config, "r") as f:
-            config_dict = json.load(f)
+    elif isinstance(config, (str, os.PathLike)):
+        config_dict = dict(read_ds_config(config))  # as DeepSpeed reads it: hjson, the file named in errors
     elif isinstance(config, dict):
         config_dict = dict(config)
     else:

@@ -381,10 +381,24 @@ class EchoRuntime:
         if self.buffer is not None:
             # NOTE: with a compensator the transport's update reads x again on a side stream: x is a fresh
             # matmul output or gradient here, never written in place before the next call.
-            return self.buffer.all_reduce(x, self._spec(bits), compensator=compensator, pow2_rescale=pow2)
+            return self.buffer.all_reduce(x, self._spec(bits), compensator=compensator, pow2_rescale=pow2,
+                                          site=site.site_id, direction=site.direction)
         from echo_ds.reference import echo_all_reduce
 
-        return echo_all_reduce(x, self._spec(bits), group=site.group, compensator=compensator, pow2_rescale=pow2)
+        from echo_ds.reference import EchoCallMismatch
+
+        try:
+            return echo_all_reduce(x, self._spec(bits), group=site.group, compensator=compensator,
+                                   pow2_rescale=pow2, direction=site.direction, site=site.site_id)
+        except EchoCallMismatch as e:
+            if "site" not in e.fields:
+                raise
+            # The descriptor names sites by number; the ranks share the site table, so name them too.
+            names = [self.sites[int(v)].name if str(v).isdigit() and int(v) < len(self.sites) else str(v)
+                     for v in e.fields["site"]]
+            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+            raise EchoCallMismatch(f"{e} The ranks reached different Echo sites ({shown}): every rank must run "
+                                   f"the same layers in the same order.", e.fields, e.call) from None
 
     def _replay(self, x: torch.Tensor, site: Site) -> torch.Tensor:
         """A forward site reached again inside backward: an activation-checkpointing recompute.

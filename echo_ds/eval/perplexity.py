@@ -64,11 +64,9 @@ class Variant:
 
 def load_echo_config(path: str):
     """(EchoConfig, description) of a JSON file: a ds_config with an "echo" section, or a bare section."""
-    from echo_ds.config import EchoConfig
-    with open(path) as f:
-        data = json.load(f)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
+    from echo_ds.config import EchoConfig, read_ds_config
+
+    data = dict(read_ds_config(path))  # as DeepSpeed reads it: comments allowed, duplicate keys refused
     description = data.pop("description", "")
     if "echo" not in data and not (data and set(data) <= set(EchoConfig.model_fields)):
         raise ValueError(f"{path}: no \"echo\" section (and not a bare one: unknown keys "

@@ -435,18 +435,21 @@ class EchoBuffer:
                 device_matches=device_matches)
         return decision
 
-    def all_reduce(self, x: torch.Tensor, spec: QuantSpec, compensator=None, pow2_rescale: bool = False) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, spec: QuantSpec, compensator=None, pow2_rescale: bool = False, *,
+                   site: Optional[int] = None, direction: Optional[str] = None) -> torch.Tensor:
         """The Echo all-reduce of ``x`` over the group: a new tensor of ``x``'s shape and dtype.
 
         Same contract and same bits as :func:`echo_ds.reference.echo_all_reduce` (x: any shape, fp32 /
         bf16 / fp16, left untouched; compensator: this direction's state, updated in place; all ranks
         return bit-identical tensors). Asynchronous like a NCCL call: the result is ordered on the
         current stream; a failed wait surfaces at the next call, ``synchronize()`` or ``check()``.
+        site, direction: the caller's (as for echo_all_reduce): ranks that disagree on them, or on any
+        argument, raise EchoP2PMismatch (EchoCallMismatch on the reference path).
         """
         plan = None
         if self._runtime is not None:  # the one-launch fast path: one dict lookup, then the call
             key = (x.dtype, x.numel(), x.device, spec, bool(pow2_rescale),
-                   None if compensator is None else (compensator.residual, compensator.telemetry))
+                   None if compensator is None else (compensator.residual, compensator.telemetry), site, direction)
             plan = self._plans.get(key)
             if plan is not None and not self.closed:
                 self.check()
@@ -463,10 +466,11 @@ class EchoBuffer:
                 _warn_once(decision.reason, self.rank)
             from echo_ds.reference import echo_all_reduce
 
-            return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale)
+            return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
+                                   site=site, direction=direction)
         self.check()
         if self._runtime is not None and x.numel() * x.element_size() <= self.one_launch_max_bytes:
-            plan = self._one_launch_plan(x, spec, compensator, pow2_rescale)
+            plan = self._one_launch_plan(x, spec, compensator, pow2_rescale, site, direction)
             if plan is not None:
                 if len(self._plans) >= 4096:
                     self._plans.clear()
@@ -488,7 +492,7 @@ class EchoBuffer:
     # The one-launch call
     # ------------------------------------------------------------------------------------------------
 
-    def _one_launch_plan(self, x: torch.Tensor, spec: QuantSpec, compensator, pow2: bool):
+    def _one_launch_plan(self, x: torch.Tensor, spec: QuantSpec, compensator, pow2: bool, site, direction):
         """The one-launch call's arguments for calls like this one (None: the kernel does not support it):
         (state shape, residual code, group size, bits, quantizer code, Hadamard signs and norm,
         descriptor, pow2). Only calls the policy accepted get here; the plan is cached by their key."""
@@ -504,7 +508,8 @@ class EchoBuffer:
         residual = "none" if compensator is None else compensator.residual
         descriptor = proto.call_descriptor(
             numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
-            quantizer=spec.policy, rotation=spec.rotation, pow2=bool(pow2), residual=residual)
+            quantizer=spec.policy, rotation=spec.rotation, pow2=bool(pow2), residual=residual, site=site,
+            direction=direction)
         layout = C.Layout(x.numel(), self.world_size, spec.group_size)
         state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
         return (state_shape, {"none": 0, "local": 1, "output": 2}[residual], spec.group_size, spec.bits,
