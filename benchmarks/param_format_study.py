@@ -12,8 +12,12 @@ on the parameters instead, 64 x 4 + 16 = 272 bits = 4.25 bits/value, and measure
     g64_symmetric_fp16  g = 64, the library's "symmetric" policy: fp16 scale, the zero-point is
                         the constant 2^(b-1) and is not sent                                   4.25 bits
     g128_ue5m3_int8     the 8 + 8 bit format at g = 128 (how much of the change is the format)  4.125 bits
+    g64_ue5m7_uint4     g = 64; scale "ue5m7" (12 bits: the top 7 mantissa bits), rounded UP;
+                        zero-point a 4-bit unsigned integer in [0, 15] (not in the default set:
+                        --variants g64_ue5m7_uint4)                                           4.25 bits
 
-The ue5m3 + int8 format (study only, not in the library). The library's zero-aware parameters (s, z) of
+The ue5m3 + int8 format (study only, not in the library; ue5m7 + uint4 is the same with 7 mantissa bits,
+range [2^-21, 65280], and z in [0, 15]; see IntZeroFormat). The library's zero-aware parameters (s, z) of
 a group are computed first (``echo_ds.quant.compute_params``, unchanged), then:
 
 * scale: s8 = the smallest ue5m3 value >= s. ue5m3 is fp16 with the 7 low mantissa bits dropped, so
@@ -26,7 +30,8 @@ a group are computed first (``echo_ds.quant.compute_params``, unchanged), then:
   is taken. For a group that straddles 0 the library's z is already an integer in [1, 14] and stays
   feasible under any s8 >= s, so it is kept unchanged (0 stays exact). A one-sided group, whose
   library z is fractional, may find no feasible integer (or none in int8's range) under s8: its s8 is
-  then raised to the next ue5m3 value until one exists (counted in "bumped" below). Nothing clips: the
+  first floored where the zero-point's range demands it (max / (2^b - 1 - zmin), -min / zmax), then
+  raised to the next ue5m3 value until one exists (counted in "bumped" below). Nothing clips: the
   codes still cover [min, max] up to fp32 rounding.
 * encode and decode are the library's own (q = clip(rint(x / s + z)), x_hat = (q - z) s, fp32), fed
   with these parameters (stored as fp16 tensors, which hold every ue5m3 value and every int8 exactly).
@@ -34,8 +39,8 @@ a group are computed first (``echo_ds.quant.compute_params``, unchanged), then:
 Implementation: the study process replaces ``echo_ds.quant.compute_params`` (looked up by
 ``quantize_groups`` at call time) with a dispatcher that applies the format of the variant being
 evaluated, and ``echo_ds.quant.wire_bytes`` (looked up by the emulator's wire statistics) with one that
-counts that format's parameter bytes per group (4 for fp16 + fp16, 2 for ue5m3 + int8, 2 for symmetric
-with the constant zero-point unsent). The library files are not modified.
+counts that format's parameter bytes per group (4 for fp16 + fp16, 2 for ue5m3 + int8 and for ue5m7 +
+uint4, 2 for symmetric with the constant zero-point unsent). The library files are not modified.
 
 Everything else is ``python -m echo_ds.eval perplexity`` (echo_ds.eval.perplexity.evaluate): SmolLM2-135M
 in float32 on the CPU, emulated TP at P = 4 over the 60 forward sites, the default Echo config (Hadamard
@@ -43,15 +48,19 @@ rotation, zero-aware, residual "local", gain 1.0, compensator reset per sequence
 size, the quantizer policy and the parameter format changed; perplexity, KL(p_16bit || p) and top-1
 agreement against the 16-bit model on every predicted position. Texts: the default held-out text
 (PPL.kDefaultText; its first 4096 tokens are all The Tempest), and the first 4096 tokens of macbeth.txt
-and hamlet.txt from the shared corpus. Run from the repository root (CPU, ~30 min on 2 busy cores):
+and hamlet.txt from the shared corpus. Run from the repository root (CPU; 14 min for the default five
+variants, 7 min for the one extra, on 2 cores shared with a test suite, 2026-12-04):
 
     python benchmarks/param_format_study.py --json docs/results/param_format_study.json
+    python benchmarks/param_format_study.py --variants g64_ue5m7_uint4 \
+        --json docs/results/param_format_study_ue5m7_uint4.json
 
-The ue5m3 + int8 variants carry "format_stats" in the JSON, counted over every quantization call (the
+The integer-zero variants carry "format_stats" in the JSON, counted over every quantization call (the
 segments each rank sends and the owners' re-quantization, all sequences): the finite groups quantized,
 those whose ue5m3 scale had to be bumped past the round-up to admit an integer zero-point ("bumped"),
-those at the saturated scale 61440, straddling groups whose zero-point differs from the library's (0 by
-construction), and the mean ratio of the ue5m3 scale to the library's fp16 scale of the same group.
+those at the saturated (largest) scale, the groups that straddle 0, the straddling groups whose
+zero-point differs from the library's (0 by construction), and the sum of the ratios of the scale used to
+the library's fp16 scale of the same group (mean_scale_ratio = that sum / groups).
 """
 from __future__ import annotations
 
@@ -63,6 +72,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -88,47 +98,76 @@ VARIANTS = {
     "g64_ue5m3_int8": (64, "zero_aware", "ue5m3_int8"),
     "g64_symmetric_fp16": (64, "symmetric", "fp16_nozero"),
     "g128_ue5m3_int8": (128, "zero_aware", "ue5m3_int8"),
+    "g64_ue5m7_uint4": (64, "zero_aware", "ue5m7_uint4"),
 }
+DEFAULT_VARIANTS = ("g128_fp16", "g64_fp16", "g64_ue5m3_int8", "g64_symmetric_fp16", "g128_ue5m3_int8")
 # Parameter bytes per group on the wire, per format.
-PARAM_BYTES = {"fp16": 4, "ue5m3_int8": 2, "fp16_nozero": 2}
-kUe5m3Max = 61440.0      # 0x7B80 as fp16: exponent 15, mantissa 0b111
-kUe5m3Min = 2.0**-17     # smallest subnormal: 1/8 of 2^-14
-kInt8Min, kInt8Max = -128.0, 127.0
+# Parameter bytes per group on the wire, per format.
+PARAM_BYTES = {"fp16": 4, "ue5m3_int8": 2, "ue5m7_uint4": 2, "fp16_nozero": 2}
 
+
+@dataclass(frozen=True)
+class IntZeroFormat:
+    """An unsigned float scale with fp16's 5-bit exponent (bias 15) and ``mantissa_bits`` of its mantissa,
+    and an integer zero-point in [zmin, zmax]."""
+
+    mantissa_bits: int
+    zmin: float
+    zmax: float
+
+    @property
+    def drop(self) -> int:          # fp16 mantissa bits dropped
+        return 10 - self.mantissa_bits
+
+    @property
+    def max_scale(self) -> float:   # exponent 15, mantissa all ones
+        return float(torch.tensor(0x7C00 - (1 << self.drop), dtype=torch.int16).view(torch.float16))
+
+    @property
+    def min_scale(self) -> float:   # smallest subnormal
+        return 2.0 ** (-14 - self.mantissa_bits)
+
+
+INT_ZERO_FORMATS = {
+    "ue5m3_int8": IntZeroFormat(3, -128.0, 127.0),   # 8-bit scale + 8-bit zero
+    "ue5m7_uint4": IntZeroFormat(7, 0.0, 15.0),      # 12-bit scale + 4-bit zero
+}
 _original_compute_params = Q.compute_params
 _original_wire_bytes = Q.wire_bytes
 _state = {"format": "fp16", "variant": None}  # the variant being evaluated (set by StudyEmulator)
-_stats = {}                   # variant name -> counters of the ue5m3 + int8 format
+_stats = {}                   # variant name -> counters of the integer-zero formats
 
 
 # ----------------------------------------------------------------------------------------------------
-# The ue5m3 + int8 parameter format
+# The integer-zero parameter formats (ue5m3 + int8, ue5m7 + uint4)
 # ----------------------------------------------------------------------------------------------------
 
-def ue5m3_round_up(s: torch.Tensor) -> torch.Tensor:
-    """Smallest ue5m3 value >= s (fp32 in, fp16 out holding the ue5m3 value); NaN stays NaN."""
-    s = torch.clamp(s, min=kUe5m3Min, max=kUe5m3Max)
+def scale_round_up(s: torch.Tensor, fmt: IntZeroFormat) -> torch.Tensor:
+    """Smallest value of ``fmt``'s scale >= s (fp32 in, fp16 out holding it); NaN stays NaN."""
+    s = torch.clamp(s, min=fmt.min_scale, max=fmt.max_scale)
     h = Q.fp16_round_up(s)                       # smallest fp16 >= s (exact ceiling)
     bits = h.view(torch.int16).to(torch.int32)
-    bits = (bits + 127) & ~127                   # ceiling to 3 mantissa bits, carry into the exponent
+    m = (1 << fmt.drop) - 1
+    bits = (bits + m) & ~m                       # ceiling to the kept mantissa bits, carry into the exponent
     out = bits.to(torch.int16).view(torch.float16)
     return torch.where(torch.isnan(s), torch.full_like(out, float("nan")), out)
 
 
-def ue5m3_next_up(s8: torch.Tensor) -> torch.Tensor:
-    """The next ue5m3 value above s8 (saturating at the largest)."""
-    bits = s8.view(torch.int16).to(torch.int32) + 128
+def scale_next_up(s8: torch.Tensor, fmt: IntZeroFormat) -> torch.Tensor:
+    """The next value of ``fmt``'s scale above s8 (saturating at the largest)."""
+    bits = s8.view(torch.int16).to(torch.int32) + (1 << fmt.drop)
     out = bits.to(torch.int16).view(torch.float16)
-    return torch.where(out.float() > kUe5m3Max, s8, out)
+    return torch.where(out.float() > fmt.max_scale, s8, out)
 
 
-def is_ue5m3(s8: torch.Tensor) -> torch.Tensor:
+def on_scale_grid(s8: torch.Tensor, fmt: IntZeroFormat) -> torch.Tensor:
     bits = s8.view(torch.int16).to(torch.int32)
-    return (bits & 127) == 0
+    return (bits & ((1 << fmt.drop) - 1)) == 0
 
 
-def ue5m3_int8_params(groups: torch.Tensor, bits: int, policy: str):
-    """(scale, zero, finite) in the ue5m3 + int8 format, from the library's zero-aware parameters."""
+def int_zero_params(groups: torch.Tensor, bits: int, policy: str, fmt_name: str = "ue5m3_int8"):
+    """(scale, zero, finite) in an integer-zero format, from the library's zero-aware parameters."""
+    fmt = INT_ZERO_FORMATS[fmt_name]
     scale16, zero16, finite = _original_compute_params(groups, bits, policy)
     mn = groups.amin(dim=1)
     mx = groups.amax(dim=1)
@@ -136,40 +175,44 @@ def ue5m3_int8_params(groups: torch.Tensor, bits: int, policy: str):
     mn = torch.where(finite, mn, zf)
     mx = torch.where(finite, mx, zf)
     L = float(2**bits - 1)
-    s8 = ue5m3_round_up(scale16.float())
+    # Necessary for a zero-point in [zmin, zmax] (a no-op for every group straddling 0): the grid's top
+    # (L - z) s >= mx with z >= zmin, and its bottom -z s <= mn with z <= zmax.
+    floor = torch.maximum(mx / (L - fmt.zmin), -mn / fmt.zmax) if fmt.zmax > 0 else mx / (L - fmt.zmin)
+    s8 = scale_round_up(torch.maximum(scale16.float(), floor), fmt)
     z_lib = zero16.float()
     bumped = torch.zeros_like(finite)
-    for _ in range(64):
+    for _ in range(256):
         s = s8.float()
-        lo = torch.clamp(torch.ceil(-mn / s), min=kInt8Min)
-        hi = torch.clamp(torch.floor(L - mx / s), max=kInt8Max)
-        bad = finite & (lo > hi) & (s < kUe5m3Max)
+        lo = torch.clamp(torch.ceil(-mn / s), min=fmt.zmin)
+        hi = torch.clamp(torch.floor(L - mx / s), max=fmt.zmax)
+        bad = finite & (lo > hi) & (s < fmt.max_scale)
         if not bool(bad.any()):
             break
         bumped |= bad
-        s8 = torch.where(bad, ue5m3_next_up(s8), s8)
+        s8 = torch.where(bad, scale_next_up(s8, fmt), s8)
     else:
-        raise RuntimeError("ue5m3_int8_params: no feasible integer zero-point after 64 bumps")
+        raise RuntimeError("int_zero_params: no feasible integer zero-point after 256 bumps")
     # Nearest integer to the library's zero-point inside [lo, hi] (an empty range only at the saturated
     # scale: then the clamp takes hi, and the group's far end clips, as the library's saturation does).
     z = torch.minimum(torch.maximum(torch.round(z_lib), lo), hi)
     z = torch.where(finite, z, torch.zeros_like(z))
     scale = torch.where(finite, s8, torch.full_like(s8, float("nan")))
     st = _stats.setdefault(_state["variant"], {"groups": 0, "bumped": 0, "scale_ratio_sum": 0.0,
-                                          "straddle_zero_changed": 0, "saturated": 0})
+                                               "straddle": 0, "straddle_zero_changed": 0, "saturated": 0})
     st["groups"] += int(finite.sum())
     st["bumped"] += int(bumped.sum())
-    st["saturated"] += int((finite & (s8.float() >= kUe5m3Max)).sum())
+    st["saturated"] += int((finite & (s8.float() >= fmt.max_scale)).sum())
     ratio = s8.float() / scale16.float()
     st["scale_ratio_sum"] += float(ratio[finite].double().sum())
     straddle = finite & (mn < 0) & (mx > 0)
+    st["straddle"] += int(straddle.sum())
     st["straddle_zero_changed"] += int((straddle & (z != z_lib)).sum())
     return scale, z.to(torch.float16), finite
 
 
 def study_compute_params(groups: torch.Tensor, bits: int, policy: str):
-    if _state["format"] == "ue5m3_int8":
-        return ue5m3_int8_params(groups, bits, policy)
+    if _state["format"] in INT_ZERO_FORMATS:
+        return int_zero_params(groups, bits, policy, _state["format"])
     return _original_compute_params(groups, bits, policy)
 
 
@@ -179,25 +222,27 @@ def study_wire_bytes(numel: int, bits: int, group_size: int) -> int:
 
 
 def self_check() -> None:
-    """The format's invariants on random groups (raises on failure)."""
+    """The formats' invariants on random groups (raises on failure)."""
     torch.manual_seed(0)
     x = torch.randn(4096, 64) * torch.exp(torch.randn(4096, 1) * 2)
     x[:512] = x[:512].abs() + torch.rand(512, 1) * 10 * x[:512].abs().amax(1, keepdim=True)  # one-sided
     x[512:1024] = -x[512:1024].abs()
     x[1024] = 0.0
     x[1025, 3] = float("nan")
-    s, z, finite = ue5m3_int8_params(x, 4, "zero_aware")
-    ok = finite & (s.float() < kUe5m3Max)
-    assert bool(is_ue5m3(s[ok]).all()), "scale not on the ue5m3 grid"
-    assert bool((z[ok] == torch.round(z[ok])).all()) and bool((z[ok].abs() <= 128).all()), "zero not int8"
-    q = Q.encode(x, s, z, finite, 4, "zero_aware")
-    xh = Q.decode(q, s, z)
-    err = (xh - x).abs()[ok]
-    bound = (0.5 * s.float()[ok, None]) * (1 + 2.0**-20) + 1e-30
-    assert bool((err <= bound + x.abs()[ok].amax() * 2.0**-22).all()), "a value clipped"
-    assert bool(torch.isnan(xh[1025]).all()), "non-finite group does not decode to NaN"
     s16, _, _ = _original_compute_params(x, 4, "zero_aware")
-    assert bool((s.float()[ok] >= s16.float()[ok]).all()), "scale rounded down"
+    for name, fmt in INT_ZERO_FORMATS.items():
+        s, z, finite = int_zero_params(x, 4, "zero_aware", name)
+        ok = finite & (s.float() < fmt.max_scale)
+        assert bool(on_scale_grid(s[ok], fmt).all()), f"{name}: scale not on the format's grid"
+        assert bool((z[ok] == torch.round(z[ok])).all()), f"{name}: zero not an integer"
+        assert bool((z[ok] >= fmt.zmin).all() and (z[ok] <= fmt.zmax).all()), f"{name}: zero out of range"
+        q = Q.encode(x, s, z, finite, 4, "zero_aware")
+        xh = Q.decode(q, s, z)
+        err = (xh - x).abs()[ok]
+        bound = (0.5 * s.float()[ok, None]) * (1 + 2.0**-20)
+        assert bool((err <= bound + x.abs()[ok].amax() * 2.0**-22).all()), f"{name}: a value clipped"
+        assert bool(torch.isnan(xh[1025]).all()), f"{name}: non-finite group does not decode to NaN"
+        assert bool((s.float()[ok] >= s16.float()[ok]).all()), f"{name}: scale rounded down"
     _stats.clear()
 
 
@@ -225,7 +270,7 @@ def make_config(base: EchoConfig, group_size: int, policy: str) -> EchoConfig:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
     ap.add_argument("--text", action="append", default=[], metavar="NAME=PATH",
                     help="texts (repeatable; default: the held-out default text, macbeth.txt, hamlet.txt)")
     ap.add_argument("--tokens", type=int, default=4096)
