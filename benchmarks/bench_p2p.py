@@ -132,33 +132,33 @@ def flag_latency_body(rank, world_size, n):
 # The all-reduce
 # ----------------------------------------------------------------------------------------------------
 
-def _time_calls(buf, x, spec, comp, warmup, iters):
+def _time_calls(buf, x, spec, comp, pow2, warmup, iters):
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for _ in range(warmup):
-        buf.all_reduce(x, spec, compensator=comp)
+        buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
     buf.synchronize()
     dist.barrier()
     host = []
     for i in range(iters):
         starts[i].record()
         h = time.perf_counter()
-        buf.all_reduce(x, spec, compensator=comp)
+        buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
         host.append(time.perf_counter() - h)
         ends[i].record()
     buf.synchronize()
     return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)], host
 
 
-def _time_graph(buf, x, spec, comp, iters, reps):
+def _time_graph(buf, x, spec, comp, pow2, iters, reps):
     """Seconds per call of ``reps`` back-to-back calls captured in one CUDA graph (median, min, max over
     ``iters`` replays). The ranks meet at a barrier before each replay, so every replay starts together."""
-    buf.all_reduce(x, spec, compensator=comp)  # eager warm-up: schedule and state exist before the capture
+    buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)  # eager warm-up: schedule and state exist before the capture
     buf.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
-            buf.all_reduce(x, spec, compensator=comp)
+            buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
     buf.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     secs = []
@@ -207,21 +207,22 @@ def _sweep(buf, rank, P, dev, spec, args):
         gen = torch.Generator(device=dev).manual_seed(size)
         parts = torch.randn(P, n, generator=gen, device=dev).to(torch.bfloat16)
         x = parts[rank].contiguous()
-        y = buf.all_reduce(x, spec)
+        pow2 = args["pow2"]
+        y = buf.all_reduce(x, spec, pow2_rescale=pow2)
         ok = True
         if rank == 0:
-            ok = same_bits(y, emulated_echo_all_reduce(parts, spec))
+            ok = same_bits(y, emulated_echo_all_reduce(parts, spec, None, pow2))
         ok = all_same(digest(y)) and ok
         oks = [None] * P
         dist.all_gather_object(oks, ok)
         del parts
         row = {"P": P, "bytes": size, "stages": stages, "ok": all(oks), "copy_s": _time_copy(x, args["iters"])}
         for label, comp in (("plain", None), ("compensated", make_compensator(DirectionConfig()))):
-            secs, host = _time_calls(buf, x, spec, comp, args["warmup"], args["iters"])
+            secs, host = _time_calls(buf, x, spec, comp, pow2, args["warmup"], args["iters"])
             med, lo, hi = _median_spread(secs)
             row[label] = {"median_s": med, "min_s": lo, "max_s": hi, "host_median_s": statistics.median(host)}
             if args["graph_reps"]:
-                g_med, g_lo, g_hi = _time_graph(buf, x, spec, comp, args["iters"], args["graph_reps"])
+                g_med, g_lo, g_hi = _time_graph(buf, x, spec, comp, pow2, args["iters"], args["graph_reps"])
                 row[label].update(graph_median_s=g_med, graph_min_s=g_lo, graph_max_s=g_hi)
         rows.append(row)
         size *= args["factor"]
@@ -253,7 +254,7 @@ def sweep_body(rank, world_size, args):
             buf.synchronize()
             buf._schedules.clear()
             buf.tile_bytes = tb
-            secs, host = _time_calls(buf, x, spec, None, args["warmup"], args["iters"])
+            secs, host = _time_calls(buf, x, spec, None, False, args["warmup"], args["iters"])
             med, lo, hi = _median_spread(secs)
             sched = next(iter(buf._schedules.values()))
             tiles.append({"tile_bytes": tb, "num_tiles": sched.tiling.num_tiles, "median_s": med, "min_s": lo,
@@ -285,12 +286,15 @@ def main(argv=None):
                     help="the quantizer's rotation (default: the default configuration's)")
     ap.add_argument("--graph-reps", type=int, default=10,
                     help="calls per CUDA graph for the graph-replay columns (0: no graph timing)")
+    ap.add_argument("--pow2", choices=("false", "true", "auto"), default="false",
+                    help="the calls' pow2_rescale (default false; 'auto' is what forward sites use, 'true' backward)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from echo_ds.p2p.buffer import kDefaultTileBytes
 
     cfg = {"min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor, "warmup": args.warmup,
            "iters": args.iters, "stages": args.stages.split(","), "graph_reps": args.graph_reps, "rotation": args.rotation,
+           "pow2": {"false": False, "true": True, "auto": "auto"}[args.pow2],
            "tile_bytes": kDefaultTileBytes if args.tile_bytes is None else args.tile_bytes,
            "tile_sweep_bytes": args.tile_sweep_bytes, "tile_sweep": [int(v) for v in args.tile_sweep.split(",")]}
     report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "date": time.strftime(
@@ -321,7 +325,7 @@ def main(argv=None):
             by_stages.setdefault(r["stages"], []).append(r)
         for stages, rows in by_stages.items():
             print(f"\nEcho all-reduce, P = {P} ranks, bf16, 4-bit, g = 128, zero_aware, rotation {args.rotation}, "
-                  f"compensated: the default forward direction (residual local); {stages}; "
+                  f"compensated: the default forward direction (residual local); pow2_rescale={cfg['pow2']}; {stages}; "
                   f"median of {args.iters} (min..max); host = host time to issue one call; graph = per call of "
                   f"{args.graph_reps} back-to-back calls replayed from one CUDA graph; copy = a device copy of "
                   f"the message")

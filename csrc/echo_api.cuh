@@ -261,7 +261,8 @@ struct P2PAllReduceArgs {
   Policy policy;
   int32_t update_local;   // residual "local": the entry and the owner reduce update m1, m2
   int32_t update_output;  // residual "output": the dequantize updates m1, m2
-  int32_t pow2;           // power-of-two rescaling: control->amax_local holds this rank's max (pow2 pass)
+  int32_t pow2;           // rescaling: 0 never, 1 always, 2 "auto" (collective.POW2_MODES); when not 0,
+                          // control->amax_local holds this rank's max (the pow2 pass)
   QuantTable push_out;    // [j]: owner j's push slot for this rank (j != rank)
   QuantTable reduce_in;   // [s]: this rank's push slot for s (s != rank)
   QuantTable reduce_out;  // [d]: rank d's gather slot for this rank (every d, this rank's own included)

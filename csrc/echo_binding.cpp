@@ -333,7 +333,7 @@ class P2PRuntime {
   // y = the Echo all-reduce of x over the group (same bits as echo_ds.reference). residual: 0 none (no
   // state), 1 "local", 2 "output"; m1, m2 the state (bf16, padded length) when residual != 0.
   void all_reduce(const at::Tensor& x, const at::Tensor& y, const OptTensor& m1, const OptTensor& m2,
-                  const std::vector<double>& coeffs, int64_t residual, bool pow2, int64_t group_size, int64_t bits,
+                  const std::vector<double>& coeffs, int64_t residual, int64_t pow2, int64_t group_size, int64_t bits,
                   int64_t policy, const std::vector<int64_t>& hadamard_signs, double hadamard_norm, int64_t descriptor,
                   int64_t stream) {
     TORCH_CHECK(control_ != nullptr, "P2PRuntime: closed");
@@ -342,6 +342,7 @@ class P2PRuntime {
     check_tensor(y, "y");
     TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.numel() == x.numel(), "y must have x's dtype and numel");
     TORCH_CHECK(residual >= 0 && residual <= 2, "residual must be 0 (none), 1 (local) or 2 (output)");
+    TORCH_CHECK(pow2 >= 0 && pow2 <= 2, "pow2 must be 0 (never), 1 (always) or 2 (auto)");
     TORCH_CHECK((residual != 0) == present(m1), "the state (m1, m2) comes with a residual, and only then");
     check_bits(bits);
     echo::P2PAllReduceArgs a{};
@@ -353,7 +354,7 @@ class P2PRuntime {
     a.policy = policy_of(policy);
     a.update_local = residual == 1;
     a.update_output = residual == 2;
-    a.pow2 = pow2 ? 1 : 0;
+    a.pow2 = static_cast<int32_t>(pow2);
     const int64_t G = a.layout.groups_per_segment;
     const int64_t code_stride = round_up(G * echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits)), 256);
     const int64_t param_stride = round_up(4 * G, 256);
@@ -381,7 +382,7 @@ class P2PRuntime {
     const int64_t per_block = 4096 / group_size;  // groups of one block item (256 threads, g / 16 lanes a group)
     const int64_t wanted = (G + per_block - 1) / per_block;
     a.num_blocks = static_cast<int32_t>(wanted < max_blocks_ ? wanted : max_blocks_);
-    if (pow2) {
+    if (pow2 != 0) {
       echo::Pow2AmaxArgs p{};
       p.layout = a.layout;
       p.src = a.src;

@@ -716,6 +716,11 @@ __device__ __forceinline__ int pow2_exponent(const float* amax_ptr) {
   const int k = 15 - e;  // collective.kPow2Target = 15
   return k < -126 ? -126 : (k > 126 ? 126 : k);
 }
+// Rescaling "auto" (collective.pow2_exponent): a group max inside [kAutoLow, kAutoHigh) = [2^-6, 2^15)
+// becomes 0, whose exponent is k = 0; outside it (or NaN) it is kept, and rescales as "always" does.
+__device__ __forceinline__ float pow2_auto_gate(float amax) {
+  return (amax >= 0x1p-6f && amax < 0x1p15f) ? 0.0f : amax;
+}
 // 2^k for k in [-126, 126], exactly.
 __device__ __forceinline__ float exp2_int(int k) { return __int_as_float((127 + k) << 23); }
 

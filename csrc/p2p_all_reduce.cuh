@@ -170,7 +170,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
         wait_flag(a, &mine->amax_flag[s], tag, kP2PWaitAmax, s);
         best = max(best, __float_as_uint(*reinterpret_cast<volatile float*>(&mine->amax[s])));
       }
-      amax_shared = __uint_as_float(best);
+      amax_shared = a.pow2 == 2 ? pow2_auto_gate(__uint_as_float(best)) : __uint_as_float(best);
     }
     __syncthreads();
     pow2_amax = &amax_shared;

@@ -35,6 +35,28 @@ from echo_ds.quant import QuantSpec
 # and a group 1e-7 times smaller than the tensor's largest value still has a normal fp16 scale.
 kPow2Target = 15
 
+# The rescaling modes of a call (``pow2_rescale``): False never rescales, True always does, "auto" only
+# when the group's largest magnitude lies outside [kAutoLow, kAutoHigh). Inside that window no scale
+# can overflow (the owner's sum over P <= 8 ranks needs at most 2^19 / 15 < 65504, as at the target),
+# and a group that holds the largest magnitude and straddles zero (as rotated groups do) has a normal
+# fp16 scale at 4 and 8 bits; outside it, "auto" rescales exactly as True does. Forward sites use
+# "auto" by default: an fp32 or bf16 activation message beyond 2^15 or below 2^-6 is rescaled by an
+# exact power of two instead of being clipped or flushed to zero.
+POW2_MODES = (False, True, "auto")
+kAutoLow = 2.0**-6
+kAutoHigh = 2.0**kPow2Target
+
+
+def check_pow2_mode(mode, where: str) -> None:
+    """Refuse anything but False, True and "auto" (0 and 1 are not modes: a typo should not pass)."""
+    if not (isinstance(mode, bool) or (isinstance(mode, str) and mode == "auto")):
+        raise ValueError(f"{where}: pow2_rescale={mode!r} must be False, True or 'auto'")
+
+
+def pow2_code(mode) -> int:
+    """0, 1, 2 for False, True, "auto" (the kernels' and the descriptors' encoding)."""
+    return 2 if mode == "auto" else int(bool(mode))
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -92,10 +114,13 @@ def unrotate_if(seg: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return Q.unrotate(seg.reshape(-1, spec.group_size)).view(seg.shape)
 
 
-def pow2_exponent(amax: torch.Tensor) -> int:
-    """k such that amax * 2^k lies in [2^(kPow2Target-1), 2^kPow2Target); 0 for 0 or non-finite."""
+def pow2_exponent(amax, mode=True) -> int:
+    """k such that amax * 2^k lies in [2^(kPow2Target-1), 2^kPow2Target); 0 for 0 or non-finite, for
+    mode False, and for mode "auto" with amax inside [kAutoLow, kAutoHigh)."""
     a = float(amax)
-    if not math.isfinite(a) or a == 0.0:
+    if mode is False or not math.isfinite(a) or a == 0.0:
+        return 0
+    if mode == "auto" and kAutoLow <= a < kAutoHigh:
         return 0
     _, e = math.frexp(a)  # a = m 2^e, m in [0.5, 1)
     return max(-126, min(126, kPow2Target - e))

@@ -9,7 +9,7 @@
       "quantizer": "zero_aware",    // "zero_aware" | "symmetric" | "naive"
       "rotation": "hadamard",       // "none" | "hadamard"
       "forward":  {"compensate": true, "gain": 1.0, "blend": 0.35, "slow_decay": 0.7,
-                   "fast_decay": 0.3, "residual": "local"},
+                   "fast_decay": 0.3, "residual": "local", "pow2_rescale": "auto"},
       "backward": {"compensate": true, "gain": 0.75, "blend": 0.35, "slow_decay": 0.7,
                    "fast_decay": 0.3, "residual": "local", "pow2_rescale": true},
       "early_sites": {"bits": 8, "fraction": 0.0},
@@ -114,6 +114,10 @@ class DirectionConfig(_Section):
     slow_decay (beta1, in [0, 1)) and fast_decay (beta2, in [0, 1)): decay rates of the two averages.
     residual: ``"output"`` is the paper's u_i = x'_i - y/P; ``"local"`` feeds each rank its own rounding
         error, u_i = -e_i (bounded state, see echo_ds.compensator).
+    pow2_rescale: the exact power-of-two rescaling of the message before it is quantized (section 5.4):
+        true at every call, ``"auto"`` only for a message whose largest magnitude lies outside
+        [2^-6, 2^15), where fp16 group scales would clip it or flush it to zero (echo_ds.collective), false
+        never. It applies whether or not the direction compensates.
     """
 
     _key: ClassVar[str] = "echo.<direction>"
@@ -124,6 +128,14 @@ class DirectionConfig(_Section):
     slow_decay: float = Field(0.7, ge=0.0, lt=1.0)
     fast_decay: float = Field(0.3, ge=0.0, lt=1.0)
     residual: Literal["output", "local"] = "local"
+    pow2_rescale: Union[bool, Literal["auto"]] = "auto"
+
+    @field_validator("pow2_rescale", mode="before")
+    @classmethod
+    def _pow2_mode(cls, v):
+        if not (isinstance(v, bool) or v == "auto"):
+            raise ValueError('must be true, false or "auto"')
+        return v
 
 
 class ForwardConfig(DirectionConfig):
@@ -136,11 +148,12 @@ class ForwardConfig(DirectionConfig):
 
 
 class BackwardConfig(DirectionConfig):
-    """Backward-pass compensator plus the exact power-of-two gradient rescaling (section 5.4)."""
+    """Backward-pass compensator; gradients are rescaled by a power of two at every call by default
+    (section 5.4: they span many orders of magnitude over training)."""
 
     _key: ClassVar[str] = "echo.backward"
 
-    pow2_rescale: bool = True
+    pow2_rescale: Union[bool, Literal["auto"]] = True
 
 
 class EarlySitesConfig(_Section):

@@ -18,7 +18,7 @@ from echo_ds.quant import QuantSpec, reciprocal
 
 
 def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator] = None,
-                             pow2_rescale: bool = False) -> torch.Tensor:
+                             pow2_rescale="auto") -> torch.Tensor:
     """Echo all-reduce of ``parts`` ([P, ...] float) -> [...] in ``parts``' dtype.
 
     ``compensator`` carries the P ranks' states (shape [P, padded]); see echo_all_reduce for the rest.
@@ -33,7 +33,8 @@ def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: 
     r = C.rotate_if(C.to_segments(parts, layout), spec)  # [P rank, P segment, G, g]
     if compensator is not None:
         r = r + compensator.correction(r.shape, r.device)
-    k = C.pow2_exponent(r.abs().amax()) if pow2_rescale else 0
+    C.check_pow2_mode(pow2_rescale, "emulated_echo_all_reduce")
+    k = C.pow2_exponent(r.abs().amax(), pow2_rescale) if pow2_rescale else 0
     rs = r * 2.0**k if k else r
 
     # Every rank quantizes every segment; the diagonal (a rank's own segment) is never sent.
@@ -64,7 +65,7 @@ def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: 
 def quantized_all_reduce(parts: torch.Tensor, config: EchoConfig, bits: Optional[int] = None,
                          direction: str = "forward") -> torch.Tensor:
     """One uncompensated Echo all-reduce of ``parts`` [P, ...] under ``config``'s quantizer."""
-    pow2 = direction == "backward" and config.backward.pow2_rescale
+    pow2 = config.direction(direction).pow2_rescale
     return emulated_echo_all_reduce(parts, config.quant_spec(bits), None, pow2)
 
 
@@ -83,7 +84,7 @@ class CompensatedAllReduce:
         self.config = config
         self.direction = direction
         dcfg = config.direction(direction)
-        self.pow2_rescale = direction == "backward" and config.backward.pow2_rescale
+        self.pow2_rescale = dcfg.pow2_rescale
         self.compensator = make_compensator(dcfg, telemetry=config.telemetry)
         self.num_calls = 0
 

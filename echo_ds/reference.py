@@ -106,6 +106,17 @@ class EchoTimeout(EchoPeerError):
 _call_counts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def check_differentiable_input(x: torch.Tensor, where: str) -> None:
+    """Refuse an input that requires grad while autograd records: the call is not differentiable (its
+    output would have no gradient, silently). Training goes through the DeepSpeed mode, whose
+    all-reduces are autograd functions with Megatron's semantics (echo_ds.deepspeed.mappings)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        raise TypeError(f"{where}: the input requires grad, but an Echo call records no autograd graph (the "
+                        f"output would silently have no gradient). Train through echo_ds.initialize (its "
+                        f"tensor-parallel all-reduces are autograd functions: forward all-reduce, backward "
+                        f"identity, as Megatron's), or pass x.detach() / call under torch.no_grad().")
+
+
 def _group_key(group: Optional[dist.ProcessGroup]):
     return dist.group.WORLD if group is None else group
 
@@ -177,14 +188,14 @@ class _Call:
             f"now.", **info)
 
 
-def _descriptor(x: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator], pow2_rescale: bool,
+def _descriptor(x: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator], pow2_rescale,
                 direction: Optional[str], site: Optional[int], call: int) -> List[int]:
     if compensator is None:
         comp = 0
     else:
         comp = 1 + _RESIDUALS.index(compensator.residual) if compensator.residual in _RESIDUALS else 99
     return [kDescriptorMagic, x.numel(), _DTYPES.index(x.dtype) if x.dtype in _DTYPES else 99, spec.bits,
-            spec.group_size, POLICIES.index(spec.policy), int(spec.rotation), int(bool(pow2_rescale)), comp,
+            spec.group_size, POLICIES.index(spec.policy), int(spec.rotation), C.pow2_code(pow2_rescale), comp,
             int(compensator is not None and bool(compensator.telemetry)),
             _kUnset if direction is None else DIRECTIONS.index(direction), _kUnset if site is None else site, call]
 
@@ -198,8 +209,10 @@ def _show(field: str, v: int) -> str:
         return pick([str(d).replace("torch.", "") for d in _DTYPES], v)
     if field == "quantizer":
         return pick(POLICIES, v)
-    if field in ("rotation", "pow2_rescale", "telemetry"):
+    if field in ("rotation", "telemetry"):
         return str(bool(v))
+    if field == "pow2_rescale":
+        return pick([str(m) for m in C.POW2_MODES], v)
     if field == "compensator":
         return "none" if v == 0 else f"residual={pick(_RESIDUALS, v - 1)}"
     if field == "direction":
@@ -248,7 +261,7 @@ def _unpacket(buf: torch.Tensor, num_groups: int, code_bytes: int):
     return codes, scale, zero
 
 
-def _agree(x: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator], pow2_rescale: bool,
+def _agree(x: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator], pow2_rescale,
            amax: Optional[torch.Tensor], call: _Call, group) -> Optional[torch.Tensor]:
     """Stage "descriptor": all-gather every rank's descriptor, check that they agree; with pow2 rescaling
     the group's largest magnitude (fp32, NaN when any rank's is), else None."""
@@ -268,7 +281,7 @@ def _agree(x: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator],
 
 
 def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.ProcessGroup] = None,
-                    compensator: Optional[Compensator] = None, pow2_rescale: bool = False, *,
+                    compensator: Optional[Compensator] = None, pow2_rescale="auto", *,
                     direction: Optional[str] = None, site: Optional[int] = None,
                     timeout_s: Optional[float] = None) -> torch.Tensor:
     """The Echo all-reduce of ``x`` over ``group``: a new tensor of ``x``'s shape and dtype.
@@ -278,8 +291,11 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     compensator: when given, its correction is added before quantizing and its state updated with this
         call's residual (the same object must be passed at every site of the pass, in the same order on
         every rank).
-    pow2_rescale: multiply by a power of two chosen from the group's largest magnitude (one scalar max
-        all-reduce) before quantizing and divide after; the compensator stays outside the scaling.
+    pow2_rescale: True: multiply by a power of two chosen from the group's largest magnitude before
+        quantizing and divide after (exact); "auto" (the default): only when that magnitude lies outside
+        [2^-6, 2^15), where a fixed fp16 group scale would clip or flush to zero (collective.POW2_MODES);
+        False: never. The largest magnitude rides in the call's descriptor exchange; the compensator
+        stays outside the scaling.
     direction, site: what the caller's call is ("forward" / "backward", a site index >= 0), for the
         agreement check and the error messages; None: not checked, not named.
     timeout_s: the longest wait of one stage, seconds (default: see ``default_timeout``; inf: unbounded).
@@ -290,6 +306,8 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     """
     if not x.is_floating_point():
         raise TypeError(f"echo_all_reduce expects a floating-point tensor, got {x.dtype}")
+    check_differentiable_input(x, "echo_all_reduce")
+    C.check_pow2_mode(pow2_rescale, "echo_all_reduce")
     if direction is not None and direction not in DIRECTIONS:
         raise ValueError(f"echo_all_reduce: direction={direction!r} must be None or one of {DIRECTIONS}")
     if site is not None and (isinstance(site, bool) or not isinstance(site, int) or site < 0):
@@ -315,7 +333,7 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     if compensator is not None:
         r = r + compensator.correction(r.shape, r.device)
     amax = _agree(x, spec, compensator, pow2_rescale, r.abs().amax() if pow2_rescale else None, call, group)
-    k = C.pow2_exponent(amax) if pow2_rescale else 0
+    k = C.pow2_exponent(amax, pow2_rescale) if pow2_rescale else 0
     rs = r * 2.0**k if k else r
     sent = C.quantize_segments(rs[others], spec)
 

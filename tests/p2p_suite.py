@@ -66,7 +66,7 @@ def all_same(obj) -> bool:
     return all(e == everyone[0] for e in everyone)
 
 
-def spec_on_device(parts, spec, comp=None, pow2=False):
+def spec_on_device(parts, spec, comp=None, pow2="auto"):
     """The emulator's result (the reference's bits on this device) for every rank's ``parts`` [P, n]."""
     return emulated_echo_all_reduce(parts, spec, comp, pow2)
 
@@ -78,7 +78,7 @@ class CpuReference:
         self.mode = mode  # "assert" | "report"
         self.num_calls = self.num_differ = self.num_elements_differ = 0
 
-    def check(self, y, x, spec, comp=None, pow2=False, what=""):
+    def check(self, y, x, spec, comp=None, pow2="auto", what=""):
         ref = echo_all_reduce(x.cpu(), spec, compensator=comp, pow2_rescale=pow2)
         self.num_calls += 1
         if same_bits(y.cpu(), ref):
@@ -111,8 +111,10 @@ def check_options(buf, rank, P, device, n, cpu_ref, stride=1):
         if i % stride:
             continue
         spec = QuantSpec(bits, (64, 128, 256, 16)[i % 4], policy, rot)
-        pow2 = i % 3 == 0
-        parts = parts_for(P, n + i, dtype, 100 + i, device, 1e-5 if pow2 else 1.0)
+        # never, always (gradient-sized values), "auto" beyond its window (fp16 stays in range)
+        pow2 = (False, True, "auto")[i % 3]
+        scale = {False: 1.0, True: 1e-5, "auto": 1.0 if dtype == torch.float16 else 1e5}[pow2]
+        parts = parts_for(P, n + i, dtype, 100 + i, device, scale)
         x = parts[rank].clone()
         y = buf.all_reduce(x, spec, pow2_rescale=pow2)
         what = f"options {dtype} {spec} pow2={pow2}: rank {rank}"

@@ -17,7 +17,7 @@ def test_defaults_are_the_documented_schema():
     # A partial direction section keeps that direction's own defaults.
     assert EchoConfig(forward={"blend": 0.4}).forward.gain == 1.0
     assert EchoConfig(backward={"blend": 0.4}).backward.gain == 0.75
-    assert cfg.backward.pow2_rescale and not hasattr(cfg.forward, "pow2_rescale")
+    assert cfg.backward.pow2_rescale is True and cfg.forward.pow2_rescale == "auto"
     assert (cfg.early_sites.bits, cfg.early_sites.fraction) == (8, 0.0)
 
 
@@ -41,7 +41,7 @@ def test_defaults_are_the_documented_schema():
     ({"early_sites": {"bits": 2}}, "echo.early_sites.bits", "2", "(4, 8)"),
     ({"bitz": 4}, "echo.bitz", "4", "allowed keys: enabled, bits"),
     ({"forward": {"gian": 1}}, "echo.forward.gian", "1", "allowed keys: compensate, gain"),
-    ({"forward": {"pow2_rescale": True}}, "echo.forward.pow2_rescale", "True", "allowed keys"),
+    ({"forward": {"pow2_rescale": "yes"}}, "echo.forward.pow2_rescale", "'yes'", 'true, false or "auto"'),
     ({"enabled": "maybe"}, "echo.enabled", "'maybe'", "boolean"),
 ])
 def test_invalid_values_name_key_value_and_allowed(section, key, value, allowed):
@@ -102,7 +102,7 @@ def test_quant_spec_and_site_bits():
     ({"bits": True}, "echo.bits", "True", "valid integer"),
     ({"forward": {"gain": True}}, "echo.forward.gain", "True", "valid number"),
     ({"forward": {"compensate": "no"}}, "echo.forward.compensate", "'no'", "valid boolean"),
-    ({"backward": {"pow2_rescale": 1}}, "echo.backward.pow2_rescale", "1", "valid boolean"),
+    ({"backward": {"pow2_rescale": 1}}, "echo.backward.pow2_rescale", "1", 'true, false or "auto"'),
     ({"telemetry": "true"}, "echo.telemetry", "'true'", "valid boolean"),
     ({"forward": "off"}, "echo.forward", "'off'", "valid dictionary"),
     # "strict" is not a way around the checks, at any level.

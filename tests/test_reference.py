@@ -33,6 +33,12 @@ def cases():
          torch.float32, (6, 50)),
         ("comp-output-rot-pow2-8", QuantSpec(8, 64, "symmetric", True), DirectionConfig(gain=1.0, residual="output"), True,
          torch.bfloat16, (7, 33)),
+        # "auto" rescaling: inside the window (no rescale), beyond it and below it (rescaled)
+        ("auto-in-window", QuantSpec(4, 64, rotation=True), DirectionConfig(residual="local"), "auto",
+         torch.bfloat16, (5, 40)),
+        ("auto-huge", QuantSpec(4, 64, rotation=True), DirectionConfig(residual="local"), "auto", torch.float32,
+         (3, 100)),
+        ("auto-tiny-8", QuantSpec(8, 128), None, "auto", torch.float32, (2, 150)),
     ]
     return out
 
@@ -41,7 +47,8 @@ def make_inputs(P, seed):
     gen = torch.Generator().manual_seed(seed)
     inputs = {}
     for name, spec, dcfg, pow2, dtype, shape in cases():
-        scale = 1e-6 if pow2 else 1.0  # gradient-sized values where rescaling is on
+        # gradient-sized values where rescaling is always on; "auto" cases name their range
+        scale = {"auto-huge": 1e6, "auto-tiny-8": 1e-9}.get(name, 1e-6 if pow2 is True else 1.0)
         inputs[name] = [(torch.randn(P, *shape, generator=gen) * scale).to(dtype) for _ in range(NUM_CALLS)]
     return inputs
 

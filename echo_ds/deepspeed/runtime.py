@@ -237,7 +237,7 @@ class EchoRuntime:
         # error each call reveals (one extra exact all-reduce per call).
         self.forward_state = make_compensator(config.forward, telemetry=self.telemetry)
         self.backward_state = make_compensator(config.backward, telemetry=self.telemetry)
-        self.pow2_rescale = bool(config.backward.pow2_rescale)
+        self.pow2_rescale = {FORWARD: config.forward.pow2_rescale, BACKWARD: config.backward.pow2_rescale}
 
         self.sites: List[Site] = []
         self.num_forward_sites = 0  # for the early-sites policy
@@ -340,12 +340,12 @@ class EchoRuntime:
                 return self._replay(x, site)
             bits = self.config.bits_for_site(self._forward_index, self.num_forward_sites)
             self._forward_index += 1
-            compensator, pow2 = self.forward_state, False
+            compensator, pow2 = self.forward_state, self.pow2_rescale[FORWARD]
         else:
             if self._backward_pending:
                 self._begin_backward_pass()
             bits = self.config.bits
-            compensator, pow2 = self.backward_state, self.pow2_rescale
+            compensator, pow2 = self.backward_state, self.pow2_rescale[BACKWARD]
 
         numel = x.numel()
         compressed = policy.use_compressed(numel, x.element_size(), bits, self.config.min_message_bytes)
@@ -377,7 +377,7 @@ class EchoRuntime:
             site.cache.append(y.detach().clone())
         return y
 
-    def _echo(self, x: torch.Tensor, site: Site, bits: int, compensator, pow2: bool) -> torch.Tensor:
+    def _echo(self, x: torch.Tensor, site: Site, bits: int, compensator, pow2) -> torch.Tensor:
         if self.buffer is not None:
             # NOTE: with a compensator the transport's update reads x again on a side stream: x is a fresh
             # matmul output or gradient here, never written in place before the next call.

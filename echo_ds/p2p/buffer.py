@@ -3,7 +3,7 @@
 ::
 
     buf = EchoBuffer(tp_group)                                  # collective: every rank of the group
-    y = buf.all_reduce(x, cfg.quant_spec(), compensator=comp, pow2_rescale=False)
+    y = buf.all_reduce(x, cfg.quant_spec(), compensator=comp)          # pow2_rescale="auto"
     buf.close()                                                 # or leave it to interpreter exit
 
 The constructor does the whole handshake, so that afterwards nothing is half set up: it builds and
@@ -18,7 +18,7 @@ One call, where echo_ds.ops is built (the default): ONE launch on the caller's s
 segments this rank sends straight into the owners' buffers and raises a flag per owner, reduces its
 groups of the owned segment once its peers' flags arrive and writes the result into every rank's
 buffer, then decodes every segment's groups once the owners' flags arrive; the compensator's state is
-read and written in the same passes, and pow2 rescaling adds one max pass before it. The host issues one
+read and written in the same passes, and pow2 rescaling (True, or "auto") adds one max pass before it. The host issues one
 binding call; flags, epochs and pointer tables live in device memory, so the call replays from a CUDA
 graph like any kernel.
 
@@ -54,6 +54,7 @@ from echo_ds.p2p import policy
 from echo_ds.p2p import protocol as proto
 from echo_ds.p2p.stages import KernelSchedule, Schedule, TorchSchedule, schedule_key
 from echo_ds.quant import QuantSpec
+from echo_ds.reference import check_differentiable_input
 
 logger = logging.getLogger("echo_ds.p2p")
 
@@ -435,7 +436,7 @@ class EchoBuffer:
                 device_matches=device_matches)
         return decision
 
-    def all_reduce(self, x: torch.Tensor, spec: QuantSpec, compensator=None, pow2_rescale: bool = False, *,
+    def all_reduce(self, x: torch.Tensor, spec: QuantSpec, compensator=None, pow2_rescale="auto", *,
                    site: Optional[int] = None, direction: Optional[str] = None) -> torch.Tensor:
         """The Echo all-reduce of ``x`` over the group: a new tensor of ``x``'s shape and dtype.
 
@@ -448,14 +449,16 @@ class EchoBuffer:
         """
         plan = None
         if self._runtime is not None:  # the one-launch fast path: one dict lookup, then the call
-            key = (x.dtype, x.numel(), x.device, spec, bool(pow2_rescale),
+            key = (x.dtype, x.numel(), x.device, spec, pow2_rescale,
                    None if compensator is None else (compensator.residual, compensator.telemetry), site, direction)
             plan = self._plans.get(key)
-            if plan is not None and not self.closed:
+            if plan is not None and not self.closed and not (x.requires_grad and torch.is_grad_enabled()):
                 self.check()
                 return self._one_launch(x, plan, compensator)
         if not x.is_floating_point():
             raise TypeError(f"all_reduce expects a floating-point tensor, got {x.dtype}")
+        check_differentiable_input(x, "EchoBuffer.all_reduce")
+        C.check_pow2_mode(pow2_rescale, "EchoBuffer.all_reduce")
         if self.closed:
             raise proto.EchoP2PError("echo p2p: all_reduce on a closed EchoBuffer")
         if self.world_size == 1:
@@ -492,10 +495,10 @@ class EchoBuffer:
     # The one-launch call
     # ------------------------------------------------------------------------------------------------
 
-    def _one_launch_plan(self, x: torch.Tensor, spec: QuantSpec, compensator, pow2: bool, site, direction):
+    def _one_launch_plan(self, x: torch.Tensor, spec: QuantSpec, compensator, pow2, site, direction):
         """The one-launch call's arguments for calls like this one (None: the kernel does not support it):
         (state shape, residual code, group size, bits, quantizer code, Hadamard signs and norm,
-        descriptor, pow2). Only calls the policy accepted get here; the plan is cached by their key."""
+        descriptor, pow2 mode code). Only calls the policy accepted get here; the plan is cached by their key."""
         from echo_ds.ops import kernels as K
 
         why = K.unsupported_reason(self.world_size, spec, x.dtype)
@@ -508,12 +511,12 @@ class EchoBuffer:
         residual = "none" if compensator is None else compensator.residual
         descriptor = proto.call_descriptor(
             numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
-            quantizer=spec.policy, rotation=spec.rotation, pow2=bool(pow2), residual=residual, site=site,
+            quantizer=spec.policy, rotation=spec.rotation, pow2=pow2, residual=residual, site=site,
             direction=direction)
         layout = C.Layout(x.numel(), self.world_size, spec.group_size)
         state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
         return (state_shape, {"none": 0, "local": 1, "output": 2}[residual], spec.group_size, spec.bits,
-                K.POLICY_CODES[spec.policy], signs, norm, descriptor, bool(pow2))
+                K.POLICY_CODES[spec.policy], signs, norm, descriptor, C.pow2_code(pow2))
 
     def _one_launch(self, x, plan, compensator):
         state_shape, residual, g, bits, policy_code, signs, norm, descriptor, pow2 = plan

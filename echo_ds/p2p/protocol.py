@@ -41,21 +41,23 @@ kErrorMismatch = 3  # the one-launch call: a peer's flag of this call carries a 
 
 # The one-launch call's descriptor: 32 bits in the low half of every flag it writes (the high half is the
 # call's epoch), so that ranks calling with different arguments are caught by the flags they exchange
-# anyway: dtype (bits 0-1), 8-bit codes (2), group size (3-4), quantizer (5-6), rotation (7), pow2 (8),
-# residual (9-10), and 21 bits hashing the element count with the caller's site and direction (11-31).
+# anyway: dtype (bits 0-1), 8-bit codes (2), group size (3-4), quantizer (5-6), rotation (7), pow2 mode
+# (8-9), residual (10-11), and 20 bits hashing the element count with the caller's site and direction
+# (12-31).
 DESCRIPTOR_DTYPES = ("float32", "float16", "bfloat16")
 DESCRIPTOR_GROUP_SIZES = (64, 128, 256)
 DESCRIPTOR_QUANTIZERS = ("zero_aware", "symmetric", "naive")
 DESCRIPTOR_RESIDUALS = ("none", "local", "output")
-kNumelHashBits = 21
+DESCRIPTOR_POW2 = (False, True, "auto")  # echo_ds.collective.POW2_MODES, by code
+kNumelHashBits = 20
 
 
 kHashField = "numel/site/direction (hash)"
 
 
 def numel_hash(numel: int, site: Optional[int] = None, direction: Optional[str] = None) -> int:
-    """21 bits of (element count, site, direction) (Fibonacci hashing of each, mixed): equal calls give
-    equal hashes, and two calls that differ in any of them collide with probability about 2^-21."""
+    """20 bits of (element count, site, direction) (Fibonacci hashing of each, mixed): equal calls give
+    equal hashes, and two calls that differ in any of them collide with probability about 2^-20."""
     h = 0
     for v in (numel, -1 if site is None else site, {None: 0, "forward": 1, "backward": 2}[direction]):
         h = ((h ^ (v & 0xFFFFFFFF)) * 0x9E3779B1) & 0xFFFFFFFF
@@ -63,12 +65,13 @@ def numel_hash(numel: int, site: Optional[int] = None, direction: Optional[str] 
 
 
 def call_descriptor(*, numel: int, dtype: str, bits: int, group_size: int, quantizer: str, rotation: bool,
-                    pow2: bool, residual: str, site: Optional[int] = None, direction: Optional[str] = None) -> int:
+                    pow2, residual: str, site: Optional[int] = None, direction: Optional[str] = None) -> int:
     """The 32-bit descriptor of a one-launch call (see decode_descriptor); site and direction: the
     caller's (None: not compared)."""
     return (DESCRIPTOR_DTYPES.index(dtype) | (int(bits == 8) << 2) | (DESCRIPTOR_GROUP_SIZES.index(group_size) << 3)
-            | (DESCRIPTOR_QUANTIZERS.index(quantizer) << 5) | (int(rotation) << 7) | (int(pow2) << 8)
-            | (DESCRIPTOR_RESIDUALS.index(residual) << 9) | (numel_hash(numel, site, direction) << 11))
+            | (DESCRIPTOR_QUANTIZERS.index(quantizer) << 5) | (int(rotation) << 7)
+            | (DESCRIPTOR_POW2.index(pow2) << 8) | (DESCRIPTOR_RESIDUALS.index(residual) << 10)
+            | (numel_hash(numel, site, direction) << 12))
 
 
 def decode_descriptor(d: int) -> dict:
@@ -77,8 +80,8 @@ def decode_descriptor(d: int) -> dict:
 
     return {"dtype": pick(DESCRIPTOR_DTYPES, d & 3), "bits": 8 if (d >> 2) & 1 else 4,
             "group_size": pick(DESCRIPTOR_GROUP_SIZES, (d >> 3) & 3), "quantizer": pick(DESCRIPTOR_QUANTIZERS, (d >> 5) & 3),
-            "rotation": bool((d >> 7) & 1), "pow2_rescale": bool((d >> 8) & 1),
-            "compensator": pick(DESCRIPTOR_RESIDUALS, (d >> 9) & 3), kHashField: d >> 11}
+            "rotation": bool((d >> 7) & 1), "pow2_rescale": pick(DESCRIPTOR_POW2, (d >> 8) & 3),
+            "compensator": pick(DESCRIPTOR_RESIDUALS, (d >> 10) & 3), kHashField: d >> 12}
 
 kDefaultTimeoutS = 5.0
 

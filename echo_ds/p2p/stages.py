@@ -152,6 +152,8 @@ class Schedule:
         everyone = self.peer_amax.clone()
         everyone[self.rank] = self.amax[0]
         torch.amax(everyone, dim=0, keepdim=True, out=self.amax_all)
+        if self.pow2 == "auto":  # inside the window: 0, whose exponent is k = 0 (collective.pow2_exponent)
+            self.amax_all.masked_fill_((self.amax_all >= C.kAutoLow) & (self.amax_all < C.kAutoHigh), 0.0)
 
     def wait_push(self, tile: int) -> None:
         self.transport.wait(self.reduce_waits[tile], self.stream.get("reduce"))
@@ -190,7 +192,7 @@ class KernelSchedule(Schedule):
                                              for o in range(P)])
         self.tail_ranges = [(a, b - a) for a, b in ((0, me), (me + 1, P)) if b > a]
 
-    def begin(self, x, y, compensator, pow2: bool) -> None:
+    def begin(self, x, y, compensator, pow2) -> None:
         self.x, self.y, self.comp, self.pow2 = x, y, compensator, pow2
         # Where the state is updated (echo_ds.ops): by the entry and the owner reduce from the rounding
         # error they hold (residual "local"), or by the dequantize from s_hat (residual "output").
@@ -299,7 +301,7 @@ class TorchSchedule(Schedule):
             self.push_recv.append({s: tuple(v[g0:g1] for v in mine[t.push_slot(s)]) for s in self.others})
             self.gather_recv.append({o: tuple(v[g0:g1] for v in mine[t.gather_slot(o)]) for o in self.others})
 
-    def begin(self, x, y, compensator, pow2: bool) -> None:
+    def begin(self, x, y, compensator, pow2) -> None:
         self.x, self.y, self.comp, self.pow2 = x, y, compensator, pow2
         self.layout = C.Layout(x.numel(), self.world_size, self.spec.group_size)
 

@@ -1,0 +1,128 @@
+"""Range: a message outside what fp16 group parameters express is rescaled by an exact power of two
+("auto", the forward default), never clipped or flushed to zero; inside the window "auto" changes no bit.
+Also the refusal of inputs that require grad. Emulator and argument checks only: no processes (the
+reference over gloo is compared with the emulator in tests/test_reference.py, "auto" cases included)."""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from echo_ds import collective as C
+from echo_ds.compensator import make_compensator
+from echo_ds.config import DirectionConfig, EchoConfig
+from echo_ds.emulate import emulated_echo_all_reduce
+from echo_ds.p2p import protocol as proto
+from echo_ds.quant import QuantSpec
+from echo_ds.reference import echo_all_reduce
+
+SPECS = (QuantSpec(4, 128, "zero_aware", True), QuantSpec(4, 64, "symmetric", False), QuantSpec(8, 64))
+
+
+def parts(P, n, scale, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(P, n, generator=g) * scale).to(dtype)
+
+
+def relative_error(y, exact):
+    return float((y.float() - exact).norm() / exact.norm())
+
+
+def below(v: float) -> torch.Tensor:
+    """The fp32 value just below ``v``."""
+    return torch.nextafter(torch.tensor(v), torch.tensor(0.0))
+
+
+def test_auto_exponent_window():
+    lo, hi = C.kAutoLow, C.kAutoHigh
+    for a in (torch.tensor(lo), torch.tensor(1.0), torch.tensor(3.0e4), below(hi)):
+        assert C.pow2_exponent(a, "auto") == 0, a
+    for a in (below(lo), torch.tensor(1e-9), torch.tensor(hi), torch.tensor(1e6), torch.tensor(3e38)):
+        k = C.pow2_exponent(a, True)
+        assert k != 0 and C.pow2_exponent(a, "auto") == k, a
+    for a in (0.0, math.inf, math.nan):
+        assert C.pow2_exponent(torch.tensor(a), "auto") == 0
+    assert C.pow2_exponent(torch.tensor(1e6), False) == 0
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("residual", (None, "local", "output"))
+def test_auto_inside_the_window_changes_no_bit(spec, residual):
+    dcfg = None if residual is None else DirectionConfig(residual=residual)
+    ca, cn = (make_compensator(dcfg) if dcfg else None for _ in range(2))
+    for call, scale in enumerate((1.0, 30.0, 0.1)):
+        x = parts(4, 999, scale, call, torch.bfloat16)
+        auto = emulated_echo_all_reduce(x, spec, ca, "auto")
+        never = emulated_echo_all_reduce(x, spec, cn, False)
+        assert torch.equal(auto, never), (call, scale)
+        if ca is not None:
+            assert torch.equal(ca.m1, cn.m1) and torch.equal(ca.m2, cn.m2)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("scale", (1e6, 1e-9))
+def test_auto_outside_the_window_is_the_rescaling(spec, scale):
+    ca, ct = (make_compensator(DirectionConfig(residual="local")) for _ in range(2))
+    for call in range(3):
+        x = parts(2, 700, scale, 10 + call)
+        assert torch.equal(emulated_echo_all_reduce(x, spec, ca, "auto"), emulated_echo_all_reduce(x, spec, ct, True))
+    assert torch.equal(ca.m1, ct.m1) and torch.equal(ca.m2, ct.m2)
+
+
+@pytest.mark.parametrize("scale", (1e6, 3e7, 1e-8, 1e-12))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_out_of_range_messages_keep_their_accuracy(scale, dtype):
+    """fp32 / bf16 messages far above what an fp16 scale expresses (~4.9e5 at 4 bits) or far below it:
+    "auto" keeps the error of an in-range message; without rescaling they are clipped or flushed."""
+    spec = QuantSpec(4, 128, rotation=True)
+    x = parts(2, 4096, scale, 3, dtype)
+    exact = x.float().sum(0)
+    typical = relative_error(emulated_echo_all_reduce(x / scale, spec, None, False), (x / scale).float().sum(0))
+    assert typical < 0.2
+    assert relative_error(emulated_echo_all_reduce(x, spec, None, "auto"), exact) < 1.01 * typical + 1e-3
+    assert relative_error(emulated_echo_all_reduce(x, spec, None, False), exact) > 0.5  # what "auto" prevents
+
+
+def test_defaults_are_auto_forward_and_always_backward():
+    cfg = EchoConfig()
+    assert cfg.forward.pow2_rescale == "auto" and cfg.backward.pow2_rescale is True
+    assert EchoConfig(forward={"pow2_rescale": False}).forward.pow2_rescale is False
+    for fn in (echo_all_reduce, emulated_echo_all_reduce):
+        assert inspect.signature(fn).parameters["pow2_rescale"].default == "auto", fn
+    from echo_ds.p2p.buffer import EchoBuffer
+    assert inspect.signature(EchoBuffer.all_reduce).parameters["pow2_rescale"].default == "auto"
+
+
+@pytest.mark.parametrize("bad", (1, 0, "always", None, "Auto"))
+def test_unknown_rescaling_modes_are_refused(bad):
+    x = parts(2, 64, 1.0, 0)
+    with pytest.raises(ValueError, match="pow2_rescale"):
+        emulated_echo_all_reduce(x, QuantSpec(4, 64), None, bad)
+    with pytest.raises(ValueError, match="pow2_rescale"):
+        echo_all_reduce(x[0], QuantSpec(4, 64), pow2_rescale=bad)  # refused before any collective
+
+
+def test_descriptor_carries_the_mode():
+    base = dict(numel=1000, dtype="bfloat16", bits=4, group_size=128, quantizer="zero_aware", rotation=True,
+                residual="local", site=3, direction="forward")
+    seen = set()
+    for mode in (False, True, "auto"):
+        d = proto.call_descriptor(pow2=mode, **base)
+        assert 0 <= d < 2**32 and proto.decode_descriptor(d)["pow2_rescale"] == mode
+        assert proto.decode_descriptor(d)["compensator"] == "local"
+        seen.add(d)
+    assert len(seen) == 3
+
+
+def test_inputs_that_require_grad_are_refused_while_autograd_records():
+    x = torch.randn(64, requires_grad=True)
+    with pytest.raises(TypeError, match="requires grad"):
+        echo_all_reduce(x, QuantSpec(4, 64))
+    y = x * 2  # a non-leaf with a graph
+    with pytest.raises(TypeError, match="no gradient"):
+        echo_all_reduce(y, QuantSpec(4, 64))
+    # Under no_grad (and inside an autograd Function's forward) the check passes; the call then needs a
+    # process group, which this test has none of.
+    with torch.no_grad(), pytest.raises((RuntimeError, ValueError), match="(?i)process group|init"):
+        echo_all_reduce(x, QuantSpec(4, 64))
