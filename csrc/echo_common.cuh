@@ -91,7 +91,7 @@ constexpr int kChunks = kElemsPerThread / kChunkElems;
 static_assert(kChunkElems == 4 || kChunkElems == 8 || kChunkElems == 16, "chunks of 4, 8 or 16 elements");
 // ECHO_KERNEL_BOUNDS(n): 256 threads per block and at least n resident blocks per SM, which caps the
 // registers at 65536 / (256 n) (n = 4: 64, 5: 48). Each kernel picks its n from the ptxas register and
-// spill report and the occupancy it needs (benchmarks/RESULTS.md); -DECHO_MIN_BLOCKS_PER_SM=n sets every
+// spill report and the occupancy it needs (benchmarks/runs/2026-12-03.md); -DECHO_MIN_BLOCKS_PER_SM=n sets every
 // kernel's n, for experiments.
 #ifdef ECHO_MIN_BLOCKS_PER_SM
 #define ECHO_KERNEL_BOUNDS(n) __launch_bounds__(::echo::detail::kThreadsPerBlock, ECHO_MIN_BLOCKS_PER_SM)

@@ -17,7 +17,7 @@ using namespace detail;
 // its groups in order and issues the loads of x for the next group before it works on the current one
 // (two buffers), so that one group's loads are in flight while the thread computes. With few instructions
 // left the plain entry waits on its loads (ncu: a third of the stall samples on the first use of x), and
-// 2 measured 5-6% faster than 1 from 256 MB up (benchmarks/RESULTS.md, 2026-12-03 16:12 UTC).
+// 2 measured 5-6% faster than 1 from 256 MB up (benchmarks/runs/2026-12-03.md, 16:12 UTC).
 // Occupancy decides the rest: two items at 40 registers (6 blocks per SM) measured 90.8% of copy at
 // 256 MB against 83.5% at 48 registers (5 blocks); 4 or 8 items, which need 64 registers (4 blocks; at 5
 // they spill), 72-73%; one item (32 registers, 8 blocks) 87.1% (benchmarks/runs/2026-12-03_entry_*).
