@@ -215,7 +215,7 @@ constexpr uint32_t kP2PErrorMismatch = 3;  // a peer's flag of this call carries
 struct P2PFlags {
   uint64_t push[kMaxWorldSize][kP2PMaxBlocks];
   uint64_t gather[kMaxWorldSize][kP2PMaxBlocks];
-  uint64_t amax_flag[kMaxWorldSize];  // [src]: src's max |r'| (pow2 rescaling) is in amax[src]
+  uint64_t amax_flag[kMaxWorldSize];  // [src]: rank src's max |r'| (pow2 rescaling) is in amax[src]
   float amax[kMaxWorldSize];
   uint32_t reserved[8];
 };
@@ -224,14 +224,16 @@ static_assert(sizeof(P2PFlags) == 2 * 8 * kMaxWorldSize * kP2PMaxBlocks + 8 * kM
 
 // This rank's control block (its own device memory, never exported): the epoch of the last finished
 // call (raised by the last block of each launch, so that a CUDA graph replay raises it like an eager
-// call), the blocks' arrival counter, the poison word (a wait failed: later waits give up at once) and
-// this rank's max |r'| (written by the pow2 max pass, read by the same call's launch).
+// call), the blocks' arrival counter, the poison word (a wait failed: later waits give up at once), and
+// for pow2 rescaling the blocks' max |r'| (bit pattern, atomicMax) with its own arrival counter: the last
+// block to arrive takes the rank's max, leaves both at 0 for the next call and publishes the max.
 struct P2PControl {
   uint64_t epoch;
   uint32_t arrivals;
   uint32_t poisoned;
-  float amax_local;
-  uint32_t reserved[11];
+  uint32_t amax_bits;
+  uint32_t amax_arrivals;
+  uint32_t reserved[10];
 };
 static_assert(sizeof(P2PControl) == 64, "P2PControl layout");
 
@@ -261,8 +263,8 @@ struct P2PAllReduceArgs {
   Policy policy;
   int32_t update_local;   // residual "local": the entry and the owner reduce update m1, m2
   int32_t update_output;  // residual "output": the dequantize updates m1, m2
-  int32_t pow2;           // rescaling: 0 never, 1 always, 2 "auto" (collective.POW2_MODES); when not 0,
-                          // control->amax_local holds this rank's max (the pow2 pass)
+  int32_t pow2;           // rescaling: 0 never, 1 always, 2 "auto" (collective.POW2_MODES); the max |r'|
+                          // over the ranks is taken inside the launch
   QuantTable push_out;    // [j]: owner j's push slot for this rank (j != rank)
   QuantTable reduce_in;   // [s]: this rank's push slot for s (s != rank)
   QuantTable reduce_out;  // [d]: rank d's gather slot for this rank (every d, this rank's own included)

@@ -382,13 +382,6 @@ class P2PRuntime {
     const int64_t per_block = 4096 / group_size;  // groups of one block item (256 threads, g / 16 lanes a group)
     const int64_t wanted = (G + per_block - 1) / per_block;
     a.num_blocks = static_cast<int32_t>(wanted < max_blocks_ ? wanted : max_blocks_);
-    if (pow2 != 0) {
-      echo::Pow2AmaxArgs p{};
-      p.layout = a.layout;
-      p.src = a.src;
-      p.amax_out = &control_->amax_local;
-      echo::launch_pow2_amax(p, as_stream(stream));
-    }
     echo::launch_p2p_all_reduce(a, as_stream(stream));
   }
 

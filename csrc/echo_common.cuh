@@ -856,6 +856,36 @@ __device__ __forceinline__ void contribution(const Contribution& s, int64_t e, i
   contribution_from_raw<T, kLanes>(s, r, e, lane, k, v, m1, m2);
 }
 
+// pow2 rescaling: max |r'| over this rank's padded tensor, r' = rotate(x) + c, the block's share of it
+// (groups blockIdx.x * items + ..., a grid stride apart), as the bit pattern of the float: non-negative
+// floats order as their unsigned patterns and |NaN| lies above +inf, so the unsigned max is torch.amax's
+// max with NaN winning. Reduced over the block: the result is valid in thread 0. block_max: one word per
+// warp of shared memory. Every lane of a group runs the same iterations, as the rotation's shuffles need.
+template <typename T, int kLanes>
+__device__ __forceinline__ unsigned block_amax_bits(const Contribution& s, const Layout& layout,
+                                                    unsigned (&block_max)[kThreadsPerBlock / kWarpSize]) {
+  constexpr int kItemsPerBlock = kThreadsPerBlock / kLanes;
+  const int64_t num_items = int64_t(layout.world_size) * layout.groups_per_segment;
+  const int lane = static_cast<int>(threadIdx.x % kLanes);
+  unsigned best = 0u;
+  for (int64_t item = int64_t(blockIdx.x) * kItemsPerBlock + threadIdx.x / kLanes; item < num_items;
+       item += int64_t(gridDim.x) * kItemsPerBlock) {
+    float v[kElemsPerThread];
+    StateWords m1, m2;  // read only here
+    contribution<T, kLanes>(s, item * layout.group_size, lane, layout.numel, /*k=*/0, v, m1, m2);
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) best = max(best, __float_as_uint(fabsf(v[i])));
+  }
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o /= 2) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+  if (threadIdx.x % kWarpSize == 0) block_max[threadIdx.x / kWarpSize] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreadsPerBlock / kWarpSize; ++w) best = max(best, block_max[w]);
+  }
+  return best;
+}
+
 // min, max and the finite flag of rs = x 2^k over the group's lanes, from the packed words of 16-bit x
 // (the plain entry): two elements per min/max instruction (HMNMX2 with NaN propagation, sm_80+), and the
 // min and the negated max travel in one word through the shuffles. The same values as group_stats on rs:

@@ -152,21 +152,38 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   const uint64_t epoch = epoch_shared;
   const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;  // what this call's flags hold
 
-  // pow2 rescaling: the group's max |r'|. Block 0 sends this rank's to every peer; every block reads them.
+  // pow2 rescaling: the group's max |r'|, before any code is formed. Every block takes the max of its
+  // share of this rank's tensor into control->amax_bits; the last block to arrive publishes the rank's max
+  // to every rank (its own included); every block then waits for all P and takes their max.
+  // NOTE: the grid is co-resident (the launcher's cap), so the blocks that wait for the last one to arrive
+  // cannot keep it from running.
   const float* pow2_amax = nullptr;
   if (a.pow2) {
+    __shared__ unsigned warp_max[kThreadsPerBlock / kWarpSize];
+    __shared__ int last_to_arrive;
     const int t = static_cast<int>(threadIdx.x);
-    const float local = *reinterpret_cast<volatile float*>(&control->amax_local);
-    if (blockIdx.x == 0 && t < kWorld && t != me) {
-      a.flags[t]->amax[me] = local;
-      __threadfence_system();
-      st_release_sys(&a.flags[t]->amax_flag[me], tag);
+    const unsigned block_best = block_amax_bits<T, kLanes>(a.src, a.layout, warp_max);
+    if (t == 0) {
+      atomicMax(&control->amax_bits, block_best);
+      __threadfence();
+      last_to_arrive = atomicInc(&control->amax_arrivals, gridDim.x - 1) == gridDim.x - 1;  // wraps to 0
+    }
+    __syncthreads();
+    if (last_to_arrive) {
+      if (t == 0) {
+        __threadfence();
+        warp_max[0] = atomicExch(&control->amax_bits, 0u);  // every block's max is in; 0 for the next call
+      }
+      __syncthreads();
+      if (t < kWorld) {
+        a.flags[t]->amax[me] = __uint_as_float(warp_max[0]);
+        __threadfence_system();
+        st_release_sys(&a.flags[t]->amax_flag[me], tag);
+      }
     }
     if (t == 0) {
-      // Non-negative floats order as their unsigned patterns, NaN above +inf (as pow2_amax.cu).
-      unsigned best = __float_as_uint(local);
+      unsigned best = 0u;
       for (int s = 0; s < kWorld; ++s) {
-        if (s == me) continue;
         wait_flag(a, &mine->amax_flag[s], tag, kP2PWaitAmax, s);
         best = max(best, __float_as_uint(*reinterpret_cast<volatile float*>(&mine->amax[s])));
       }
