@@ -278,8 +278,9 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     compensator: when given, its correction is added before quantizing and its state updated with this
         call's residual (the same object must be passed at every site of the pass, in the same order on
         every rank).
-    pow2_rescale: multiply by a power of two chosen from the group's largest magnitude (one scalar max
-        all-reduce) before quantizing and divide after; the compensator stays outside the scaling.
+    pow2_rescale: multiply by a power of two chosen from the group's largest magnitude (each rank's
+        travels in the descriptor all-gather: no extra collective) before quantizing and divide after;
+        the compensator stays outside the scaling.
     direction, site: what the caller's call is ("forward" / "backward", a site index >= 0), for the
         agreement check and the error messages; None: not checked, not named.
     timeout_s: the longest wait of one stage, seconds (default: see ``default_timeout``; inf: unbounded).
