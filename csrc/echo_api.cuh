@@ -209,9 +209,9 @@ constexpr uint32_t kP2PErrorMismatch = 3;  // a peer's flag of this call carries
 // of owner o publishes gather[o][b] on every rank when its reduced codes are in that rank's gather slot
 // for o. A flag holds (epoch << 32) | descriptor: the call's epoch (1, 2, ...: P2PControl::epoch + 1, low 32
 // bits), which only grows, and the call's 32-bit descriptor (echo_ds/p2p/protocol.py, call_descriptor:
-// dtype, bits, group size, quantizer, rotation, pow2, residual, a hash of the element count). A waiter is
-// released when the flag EQUALS the value it expects; a flag of the same epoch with another descriptor
-// is a mismatch between the ranks' calls (kP2PErrorMismatch); a flag never goes back to 0.
+// dtype, bits, group size, quantizer, rotation, pow2, residual, a hash of the element count, site and
+// direction). A waiter is released when the flag EQUALS the value it expects; a flag of the same epoch with
+// another descriptor is a mismatch between the ranks' calls (kP2PErrorMismatch); a flag never goes back to 0.
 struct P2PFlags {
   uint64_t push[kMaxWorldSize][kP2PMaxBlocks];
   uint64_t gather[kMaxWorldSize][kP2PMaxBlocks];

@@ -294,8 +294,8 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     pow2_rescale: True: multiply by a power of two chosen from the group's largest magnitude before
         quantizing and divide after (exact); "auto" (the default): only when that magnitude lies outside
         [2^-6, 2^15), where a fixed fp16 group scale would clip or flush to zero (collective.POW2_MODES);
-        False: never. The largest magnitude rides in the call's descriptor exchange; the compensator
-        stays outside the scaling.
+        False: never. Each rank's largest magnitude travels in the descriptor all-gather (no extra
+        collective); the compensator stays outside the scaling.
     direction, site: what the caller's call is ("forward" / "backward", a site index >= 0), for the
         agreement check and the error messages; None: not checked, not named.
     timeout_s: the longest wait of one stage, seconds (default: see ``default_timeout``; inf: unbounded).

@@ -9,9 +9,10 @@
 //    peers write it with a system-scope release after the data it announces; its reader polls it with
 //    system-scope acquire loads.
 //  * Call c (1-based, counted on the device) has the flag base B(c) = 3c mod 2^32. The entry/push stage
-//    publishes B + kStagePush, the owner's reduce B + kStageReduce (its progress word), the gather
-//    stage B + kStageGather. The base lives in device memory (EchoP2PControl::base) and is raised by 3
-//    by a kernel at the start of every call, so a CUDA graph replay advances it like an eager call.
+//    publishes B + kStagePush, the gather stage B + kStageGather; B + kStageReduce is reserved (no stage
+//    publishes it). Every put and signal also writes its value into the rank's own progress word. The
+//    base lives in device memory (EchoP2PControl::base) and is raised by 3 by a kernel at the start of
+//    every call, so a CUDA graph replay advances it like an eager call.
 //  * A waiter is released when the flag EQUALS the value it expects. The protocol guarantees that a
 //    slot holds either a value of an older call or exactly the expected one while its waiter looks (the
 //    writer's next write to that slot depends, through the pipeline, on the waiter having finished), so

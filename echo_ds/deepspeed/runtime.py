@@ -379,8 +379,7 @@ class EchoRuntime:
 
     def _echo(self, x: torch.Tensor, site: Site, bits: int, compensator, pow2) -> torch.Tensor:
         if self.buffer is not None:
-            # NOTE: with a compensator the transport's update reads x again on a side stream: x is a fresh
-            # matmul output or gradient here, never written in place before the next call.
+            # Asynchronous on the current stream: every read of x is ordered before later work on it.
             return self.buffer.all_reduce(x, self._spec(bits), compensator=compensator, pow2_rescale=pow2,
                                           site=site.site_id, direction=site.direction)
         from echo_ds.reference import echo_all_reduce

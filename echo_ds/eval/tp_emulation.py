@@ -26,9 +26,10 @@ so the 16-bit baseline is bit for bit the unwrapped model.
 
 The forward reduce is a ``torch.autograd.Function`` whose backward is the identity (each GPU's partial
 receives the full output gradient, as in TP), so a training loop can run through the emulated forward
-sites. Backward sites (the all-reduce of the input gradient at the column-parallel q/k/v and gate/up
-projections) are not emulated here yet: :meth:`TPEmulator.reduce` takes a ``direction`` and keeps one
-compensator per direction so that they can be added without changing this interface.
+sites. The backward sites (the all-reduce of the input gradient at the column-parallel q/k/v and gate/up
+projections) are :mod:`echo_ds.eval.tp_backward`'s :class:`~echo_ds.eval.tp_backward.BackwardSites`, with
+a compensator of their own; :class:`~echo_ds.eval.tp_backward.TrainingTPEmulator` owns both directions of
+a model (``python -m echo_ds.eval pretrain`` trains through it).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ scales float16 [>= G], zeros float16 [>= G]), any entry may be None where the st
 writes it. ``packet_views`` cuts one reference-layout packet (codes, then scales, then zeros, as
 echo_ds.reference._packet) into such an entry.
 
-Numerics: bit for bit those of echo_ds.reference / echo_ds.emulate on a CUDA device (see docs/kernels.md
-for the one place where PyTorch on the CPU gives other bits).
+Numerics: bit for bit those of echo_ds.reference / echo_ds.emulate, whether these run on a CUDA device or
+on the CPU (the reference writes divisions by constants as products by the fp32 reciprocal, which CUDA's
+and the CPU's PyTorch round alike; docs/kernels.md, "Divisions by constants").
 """
 
 from __future__ import annotations

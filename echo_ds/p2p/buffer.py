@@ -22,15 +22,16 @@ read and written in the same passes, and pow2 rescaling (True, or "auto") adds o
 binding call; flags, epochs and pointer tables live in device memory, so the call replays from a CUDA
 graph like any kernel.
 
-The staged pipeline (stages="kernels" or "torch"; the fallback where the one-launch kernel is not built
-or not built for the call): the caller's stream raises the device-resident flag base and
-records a start event; the push stream forms x' (compensation, rotation, the pow2 max exchange) and
-puts the codes of each tile into its owner's buffer, publishing a flag per tile; the reduce stream
-waits for a tile's flags, reduces and requantizes it; the gather stream puts the reduced tile to every
-peer; the tail stream waits for the owners' tiles and decodes them; the caller's stream waits for the
+The staged pipeline (stages="kernels" or "torch"; under "auto", calls above one_launch_max_bytes and the
+fallback where the one-launch kernel is not built or not built for the call): the caller's stream
+raises the device-resident flag base and records a start event; the push stream forms x' (compensation,
+rotation, the pow2 max exchange) and puts the codes of each tile into its owner's buffer, publishing a
+flag per tile; the reduce stream waits for a tile's flags, reduces and requantizes it into every peer's
+buffer (the torch stages leave that put to the gather stream); the gather stream decodes this rank's own
+segment; the tail stream waits for the owners' tiles and decodes them; the caller's stream waits for the
 ends. The compensator's state is updated inside those stages (echo_ds.ops: by the entry and the owner
-reduce for residual "local", by the dequantize for "output"), so a call leaves no work behind it. The
-host never synchronises while tiles are in flight.
+reduce for residual "local", by the dequantize for "output"; the torch stages: after the exit, on the tail
+stream), so a call leaves no work behind it. The host never synchronises while tiles are in flight.
 """
 
 from __future__ import annotations

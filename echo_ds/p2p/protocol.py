@@ -1,11 +1,16 @@
 """The flag protocol of the p2p transport, as pure functions (the kernels in csrc/p2p do the same).
 
 Call c (1-based, counted on the device, graph replays included) has the flag base
-``B(c) = 3 c mod 2^32`` (appendix C: the base rises by 3 per call). Each stage publishes one value::
+``B(c) = 3 c mod 2^32`` (appendix C: the base rises by 3 per call). The staged pipeline publishes two
+values per call::
 
-    push    B + 0    the sender's codes of a tile have reached the owner (and the pow2 max exchange)
-    reduce  B + 1    the owner has reduced a tile (its progress word, for diagnostics)
+    push    B + 0    the sender's codes of a tile have reached the owner (and the pow2 max exchange);
+                     the owner's reduce polls for it
     gather  B + 2    the owner's reduced codes of a tile have reached a rank; tail polls for it
+
+B + 1 (``kStageReduce``) is reserved: no stage publishes it. Every put and signal also writes the value it
+published into the rank's own ``progress`` word (EchoP2PSignals, for diagnostics). The one-launch call
+(csrc/p2p_all_reduce.cuh) has 64-bit flags of its own, ``(epoch << 32) | call_descriptor(...)``.
 
 Flags are 32-bit words that are never cleared. A waiter is released when its flag *equals* the value
 it expects: while a waiter looks, its slot holds either a value of an older call or exactly that value

@@ -6,7 +6,8 @@ valid addresses, and no tensor crosses streams through the caching allocator), t
 rank's and its peers' slots, and the prepared flag waits and puts of every tile.
 
 Two implementations of the stages behind the same methods (entry, push, reduce, gather, tail, exit,
-update; EchoBuffer runs them on the push, reduce, gather, tail and update streams):
+update; EchoBuffer runs them on the push, reduce, gather and tail streams, exit and update on the tail
+stream):
 
 ``KernelSchedule``
     The fused kernels of echo_ds.ops (issue 4). push_quantize writes the codes of a tile straight into
