@@ -37,16 +37,20 @@ import contextvars
 import difflib
 import math
 import os
-from typing import Any, ClassVar, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Literal, Mapping, Optional, Union, get_args
 
 import hjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
-from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS, QuantSpec
+from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS, Policy, QuantSpec
 
 ECHO_KEY = "echo"
+# The values of "backend": "auto" (p2p where the group can use it, else reference), "reference"
+# (torch.distributed), "p2p" (the CUDA peer-to-peer transport).
+Backend = Literal["auto", "reference", "p2p"]
+BACKENDS = get_args(Backend)
 
 
 class EchoConfigError(ValueError):
@@ -173,12 +177,12 @@ class EchoConfig(_Section):
     enabled: bool = True
     bits: int = 4
     group_size: int = 128
-    quantizer: Literal["zero_aware", "symmetric", "naive"] = "zero_aware"
+    quantizer: Policy = "zero_aware"
     rotation: Literal["none", "hadamard"] = "hadamard"
     forward: ForwardConfig = Field(default_factory=ForwardConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
     early_sites: EarlySitesConfig = Field(default_factory=EarlySitesConfig)
-    backend: Literal["auto", "reference", "p2p"] = "auto"
+    backend: Backend = "auto"
     min_message_bytes: int = Field(0, ge=0)
     telemetry: bool = False
     quantize_lm_head: bool = False

@@ -62,9 +62,11 @@ def _rank_main(rank, world_size, port, args, queue):
 
 
 def main(argv=None):
+    from echo_ds.quant import SUPPORTED_BITS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    p.add_argument("--bits", type=int, default=4, choices=SUPPORTED_BITS)
     p.add_argument("--sites", type=int, default=56, help="all-reduce calls per pass (2 x layers)")
     p.add_argument("--numel", type=int, default=1 << 16, help="elements per call")
     args = p.parse_args(argv)

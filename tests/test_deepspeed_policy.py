@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from echo_ds import log as echo_log
 from echo_ds.deepspeed import policy, runtime
 from echo_ds.quant import wire_bytes
 
@@ -20,8 +21,8 @@ class _Log:
 @pytest.fixture
 def log(monkeypatch):
     fake = _Log()
-    monkeypatch.setattr(runtime, "logger", fake)
-    monkeypatch.setattr(runtime, "_emitted_once", set())
+    monkeypatch.setattr(echo_log, "logger", fake)
+    monkeypatch.setattr(echo_log, "_emitted_once", set())
     return fake
 
 
@@ -42,7 +43,7 @@ def test_backend_p2p_falls_back_with_one_warning_naming_the_setting(log):
         assert '"backend": "reference"' in c.reason and "echo" in c.reason
     c = policy.select_backend("p2p", "cuda", 4, no_kernels)
     for _ in range(3):
-        runtime.log_once(c.level, "echo: " + c.reason)
+        echo_log.log_once(c.level, "echo: " + c.reason)
     assert [lvl for lvl, _ in log.records] == ["warning"]
 
 

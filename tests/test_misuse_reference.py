@@ -11,7 +11,7 @@ from echo_ds.compensator import make_compensator
 from echo_ds.config import DirectionConfig
 from echo_ds.emulate import emulated_echo_all_reduce
 from echo_ds.quant import QuantSpec
-from tests.utils import run_distributed, run_with_dying_rank
+from utils import run_distributed, run_with_dying_rank
 
 kBase = dict(numel=1000, dtype=torch.float32, spec=QuantSpec(4, 64), pow2=False, comp=None, site=3,
              direction="forward")

@@ -16,9 +16,8 @@ import os
 import pytest
 import torch
 
-from tests import p2p_suite
-from tests.utils import run_with_dying_rank
-from tests.utils import run_distributed
+import p2p_suite
+from utils import run_distributed, run_with_dying_rank
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -13,7 +13,7 @@ from echo_ds.compensator import make_compensator
 from echo_ds.config import DirectionConfig, EchoConfig
 from echo_ds.emulate import CompensatedAllReduce, emulated_echo_all_reduce, quantized_all_reduce
 from echo_ds.quant import QuantSpec
-from tests.utils import run_distributed
+from utils import run_distributed
 
 NUM_CALLS = 3
 

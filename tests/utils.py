@@ -8,6 +8,11 @@ hangs past ``timeout`` seconds fails it too, instead of hanging the suite. Every
 ``run_with_dying_rank(fn, world_size, *args)`` is the same for tests in which rank P - 1 kills itself
 mid-call: the survivors report and exit without touching the group again, and the dead rank's exit code
 is checked instead.
+
+Test modules import their helpers by bare name (``from utils import ...``, ``import p2p_suite``): tests/
+has no ``__init__.py``, so pytest's default import mode (prepend) puts tests/ first on ``sys.path``,
+whether it runs as ``python -m pytest`` or ``pytest`` and from whichever directory. Spawned ranks inherit
+that ``sys.path``, so they unpickle functions of these modules by the same names.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from deepspeed.module_inject.layers import is_autotp_training_mode
 
 from . import layers as echo_layers
 from ..config import read_ds_config
-from .runtime import EchoRuntime, log_once
+from ..log import log_once
+from .runtime import EchoRuntime
 
 _RUNTIME_ATTR = "_echo_runtime"
 

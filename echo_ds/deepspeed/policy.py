@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from echo_ds.config import BACKENDS
 from echo_ds.quant import SUPPORTED_BITS
-
-BACKENDS = ("reference", "p2p", "auto")
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,6 @@ functions of ``policy.py``; this module only carries them out.
 
 from __future__ import annotations
 
-import logging
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -28,25 +26,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.module_inject.layers import is_autotp_training_mode
 
+from echo_ds.log import log_once, logger
 from echo_ds.quant import wire_bytes
 
 from . import policy
-
-
-def _make_logger() -> logging.Logger:
-    """The "echo_ds" logger: INFO to stdout, like DeepSpeed's own, whose default level (WARNING) would
-    hide the backend choice and the counters. ``logging.getLogger("echo_ds").setLevel(...)`` tunes it."""
-    log = logging.getLogger("echo_ds")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log
-
-
-logger = _make_logger()
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -57,23 +40,6 @@ kDigestModulus = 2**31 - 1
 kDigestBase = 1_000_003
 # Entries of the per-window trace kept for the error message (the digest covers every call regardless).
 kMaxTraceEntries = 65536
-
-_emitted_once = set()
-
-
-def log_once(level: str, message: str, key: Optional[str] = None) -> None:
-    """Log ``message`` once per process (per ``key``, default the message itself), from global rank 0, at
-    ``level`` ("warning", "info", "debug").
-
-    Every decision logged this way is taken identically on every rank, so rank 0 speaks for all.
-    """
-    key = message if key is None else key
-    if key in _emitted_once:
-        return
-    _emitted_once.add(key)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        getattr(logger, level)(message)
-
 
 def _in_backward() -> bool:
     """True inside the autograd engine, i.e. while a backward pass (or a recompute inside it) runs."""

@@ -14,10 +14,11 @@ import time
 from typing import Optional
 
 from echo_ds.ops.kernels import (  # noqa: F401
+    ONE_LAUNCH_WORLD_SIZES,
     POLICY_CODES,
+    STAGED_WORLD_SIZES,
     SUPPORTED_DTYPES,
     SUPPORTED_GROUP_SIZES,
-    SUPPORTED_WORLD_SIZES,
     CompensatorCoefficients,
     SegmentTable,
     alloc_packets,

@@ -28,8 +28,15 @@ from echo_ds.collective import Layout
 from echo_ds.quant import QuantSpec
 
 POLICY_CODES = {"zero_aware": 0, "symmetric": 1, "naive": 2}
-SUPPORTED_WORLD_SIZES = (2, 3, 4, 8)
+# World sizes the kernels are instantiated for (the reference path takes any P). The staged kernels
+# (push_quantize, owner_reduce, dequantize, pow2_amax: ECHO_DISPATCH_WORLD_SIZE in csrc/echo_common.cuh)
+# take P = 3 as well; the one-launch p2p kernel (csrc/p2p_all_reduce.cuh, P2PRuntime in
+# csrc/echo_binding.cpp) is built only for the tensor-parallel sizes 2, 4 and 8, and the p2p transport
+# serves exactly those groups (echo_ds.p2p.policy), so every group it serves has its one-launch kernel.
+STAGED_WORLD_SIZES = (2, 3, 4, 8)
+ONE_LAUNCH_WORLD_SIZES = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (64, 128, 256)
+# Element types of every kernel, staged and one-launch; the p2p transport takes the same.
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Every code buffer must start on a 16-byte boundary (the kernels store codes as 8/16-byte vectors).
 kCodeAlignmentBytes = 16
@@ -37,14 +44,15 @@ kCodeAlignmentBytes = 16
 
 def unsupported_reason(world_size: int, spec: QuantSpec, dtype: torch.dtype = torch.float16) -> Optional[str]:
     """Why the kernels cannot run this configuration (None: they can). Pure; needs no GPU."""
-    if world_size not in SUPPORTED_WORLD_SIZES:
-        return f"unsupported world size {world_size} (the kernels are built for {SUPPORTED_WORLD_SIZES})"
+    if world_size not in STAGED_WORLD_SIZES:
+        return f"unsupported world size {world_size} (the kernels are built for {STAGED_WORLD_SIZES})"
     if spec.group_size not in SUPPORTED_GROUP_SIZES:
         return f"group_size={spec.group_size} (the kernels are built for {SUPPORTED_GROUP_SIZES})"
     if spec.bits not in (4, 8):
         return f"bits={spec.bits}"
     if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} (the kernels take float32, float16, bfloat16)"
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        return f"dtype {dtype} (the kernels take {names})"
     return None
 
 

@@ -13,10 +13,8 @@ from typing import Optional
 
 import torch
 
+from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES, SUPPORTED_DTYPES
 from echo_ds.p2p.layout import Capacity, kMaxWorld, make_tiling
-
-SUPPORTED_WORLD_SIZES = (2, 4, 8)
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _FIX_BACKEND = 'set "backend": "reference" in the "echo" section of ds_config.json to use the reference path'
 
@@ -64,8 +62,8 @@ def group_decision(f: GroupFacts) -> Decision:
                                f"{_FIX_BACKEND}")
     if f.world_size == 1:
         return Decision(False, "the group has one rank: there is nothing to reduce")
-    if f.world_size not in SUPPORTED_WORLD_SIZES:
-        return Decision(False, f"the p2p transport supports tensor-parallel sizes {SUPPORTED_WORLD_SIZES}, and "
+    if f.world_size not in ONE_LAUNCH_WORLD_SIZES:
+        return Decision(False, f"the p2p transport supports tensor-parallel sizes {ONE_LAUNCH_WORLD_SIZES}, and "
                                f"this group has {f.world_size} ranks (set the tensor-parallel size, "
                                f"\"autotp_size\", to one of them, or {_FIX_BACKEND})")
     if not f.same_host:
