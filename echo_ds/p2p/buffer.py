@@ -41,7 +41,6 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import weakref
 from collections import OrderedDict
 from typing import List, Optional
@@ -54,6 +53,8 @@ from echo_ds.p2p import layout as L
 from echo_ds.p2p import policy
 from echo_ds.p2p import protocol as proto
 from echo_ds.p2p.stages import KernelSchedule, Schedule, TorchSchedule, schedule_key
+from echo_ds.log import log_once
+from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES
 from echo_ds.quant import QuantSpec
 from echo_ds.reference import check_differentiable_input
 
@@ -78,17 +79,10 @@ kScheduleCacheSize = 32
 kStreams = ("push", "reduce", "gather", "tail")
 
 _live_buffers: "weakref.WeakSet[EchoBuffer]" = weakref.WeakSet()
-_warned: set = set()
-_warn_lock = threading.Lock()
 
 
 def _warn_once(reason: str, rank: int) -> None:
-    with _warn_lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
-    if rank == 0:
-        logger.warning("echo p2p: using the reference path: %s", reason)
+    log_once("warning", f"echo p2p: using the reference path: {reason}", rank=rank)
 
 
 def _host_id() -> str:
@@ -255,8 +249,8 @@ class EchoBuffer:
             why = f"stages={self.stages!r}"
         elif self._ops is None:
             why = "echo_ds.ops is not loaded"
-        elif self.world_size not in (2, 4, 8):
-            why = f"the one-launch kernel is built for 2, 4, 8 ranks, not {self.world_size}"
+        elif self.world_size not in ONE_LAUNCH_WORLD_SIZES:
+            why = f"the one-launch kernel is built for {ONE_LAUNCH_WORLD_SIZES} ranks, not {self.world_size}"
         else:
             try:
                 ext = self._ops.load()
@@ -516,7 +510,7 @@ class EchoBuffer:
             direction=direction)
         layout = C.Layout(x.numel(), self.world_size, spec.group_size)
         state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
-        return (state_shape, {"none": 0, "local": 1, "output": 2}[residual], spec.group_size, spec.bits,
+        return (state_shape, proto.DESCRIPTOR_RESIDUALS.index(residual), spec.group_size, spec.bits,
                 K.POLICY_CODES[spec.policy], signs, norm, descriptor, C.pow2_code(pow2))
 
     def _one_launch(self, x, plan, compensator):
