@@ -322,10 +322,16 @@ def option_literals(path: Path) -> set:
 @lru_cache(maxsize=None)
 def cli_options(path: Path) -> frozenset:
     """The options a CLI's source defines (string literals ``--x``), DeepSpeed's config arguments where it
-    adds them, and ``--help``."""
-    options = option_literals(path) | {"--help"}
-    if "add_config_arguments" in path.read_text(encoding="utf-8"):
-        options |= option_literals(Path(importlib.util.find_spec("deepspeed").origin))
+    adds them, and ``--help``. A package's CLI (its __init__.py or __main__.py) is every file of the
+    package that defines arguments."""
+    files = [path]
+    if path.name in ("__init__.py", "__main__.py"):
+        files = [p for p in path.parent.glob("*.py") if "add_argument" in p.read_text(encoding="utf-8")] or files
+    options = {"--help"}
+    for f in files:
+        options |= option_literals(f)
+        if "add_config_arguments" in f.read_text(encoding="utf-8"):
+            options |= option_literals(Path(importlib.util.find_spec("deepspeed").origin))
     return frozenset(options)
 
 
@@ -343,6 +349,8 @@ def cli_of(tokens: list, index: int):
             sub = tokens[nxt] if nxt < len(tokens) else ""
             if re.fullmatch(r"\w+", sub) and (path.parent / f"{sub}.py").is_file():
                 return path.parent / f"{sub}.py", nxt + 1
+            if re.fullmatch(r"\w+", sub) and (path.parent / sub / "__init__.py").is_file():
+                return path.parent / sub / "__init__.py", nxt + 1
             return path.parent / "__main__.py", nxt
         return path, nxt
     return None
@@ -359,6 +367,7 @@ def named_clis(text: str) -> set:
         path = module_file(module.rstrip("."))
         if path is not None and path.name == "__init__.py":
             out |= {p for p in path.parent.glob("*.py") if "add_argument" in p.read_text(encoding="utf-8")}
+            out |= {p for p in path.parent.glob("*/*.py") if "add_argument" in p.read_text(encoding="utf-8")}
         elif path is not None:
             out.add(path)
     return out
@@ -446,18 +455,42 @@ def section_problems(section: dict, model: str, where: str) -> list:
         if annotation is None:
             bad.append(f"{where}.{key}: not a field (fields: {', '.join(models[model])})")
             continue
-        kind = ast.unparse(annotation)
-        if kind in models:
-            bad += section_problems(value, kind, f"{where}.{key}") if isinstance(value, dict) else \
+        kind = type_aliases().get(ast.unparse(annotation), annotation)
+        if ast.unparse(kind) in models:
+            bad += section_problems(value, ast.unparse(kind), f"{where}.{key}") if isinstance(value, dict) else \
                 [f"{where}.{key}={value!r}: not an object"]
-        elif kind.startswith("Literal["):
-            if value not in ast.literal_eval(kind[len("Literal"):]):
-                bad.append(f"{where}.{key}={value!r}: not one of {kind[len('Literal'):]}")
-        elif kind in ("bool", "int", "float"):
-            types = {"bool": (bool,), "int": (int,), "float": (int, float)}[kind]
-            if not isinstance(value, types) or (kind != "bool" and isinstance(value, bool)):
-                bad.append(f"{where}.{key}={value!r}: not a {kind}")
+        elif not value_fits(kind, value):
+            bad.append(f"{where}.{key}={value!r}: not a {ast.unparse(kind)}")
     return bad
+
+
+def type_aliases() -> dict:
+    """Module-level type aliases of echo_ds/config.py and echo_ds/quant.py (e.g. ``Backend = Literal[...]``):
+    name -> the aliased annotation."""
+    out = {}
+    for path in (REPO / "echo_ds" / "quant.py", REPO / "echo_ds" / "config.py"):
+        for node in module_tree(path).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                    and isinstance(node.value, ast.Subscript) and ast.unparse(node.value.value) in ("Literal", "Union"):
+                out[node.targets[0].id] = node.value
+    return out
+
+
+def value_fits(kind: ast.expr, value) -> bool:
+    """Whether ``value`` (from JSON) fits the annotation ``kind``: Literal choices, Union members, bool,
+    int, float; anything else is not checked."""
+    kind = type_aliases().get(ast.unparse(kind), kind)
+    if isinstance(kind, ast.Subscript) and ast.unparse(kind.value) == "Literal":
+        choices = kind.slice.elts if isinstance(kind.slice, ast.Tuple) else [kind.slice]
+        return any(value == ast.literal_eval(c) and type(value) is type(ast.literal_eval(c)) for c in choices)
+    if isinstance(kind, ast.Subscript) and ast.unparse(kind.value) == "Union":
+        members = kind.slice.elts if isinstance(kind.slice, ast.Tuple) else [kind.slice]
+        return any(value_fits(m, value) for m in members)
+    name = ast.unparse(kind)
+    if name in ("bool", "int", "float"):
+        types = {"bool": (bool,), "int": (int,), "float": (int, float)}[name]
+        return isinstance(value, types) and (name == "bool" or not isinstance(value, bool))
+    return True
 
 
 def config_problems(text: str) -> list:
@@ -519,7 +552,7 @@ def test_the_checks_find_broken_references():
         "python -m echo_ds.no_such_module: not a runnable module"]
     assert unknown_options(BROKEN) == [
         "--deepspeed_confg (not an option of examples/train.py)", "--no-such-flag (no CLI this doc names defines it)",
-        "--no-such-option (not an option of echo_ds/eval/pretrain.py)"]
+        "--no-such-option (not an option of echo_ds/eval/pretrain/__init__.py)"]
     problems = config_problems(BROKEN)
     assert [p.split(":")[0] for p in problems] == ["echo.forward.no_such_key", "echo.backend='none'",
                                                    "early_sites.no_such_key"]
@@ -543,5 +576,5 @@ out/anything.json, `out/anything.json`, /tmp/anything.json and `$OUT/anything.js
     assert unknown_options(fine) == []
     models = config_models()
     assert {"bits", "forward", "backward", "early_sites", "backend", "quantize_lm_head"} <= set(models["EchoConfig"])
-    assert "pow2_rescale" in models["BackwardConfig"] and "pow2_rescale" not in models["ForwardConfig"]
+    assert "pow2_rescale" in models["BackwardConfig"] and "pow2_rescale" in models["ForwardConfig"]
     assert "residual" in models["ForwardConfig"]
