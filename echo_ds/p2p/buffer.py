@@ -18,7 +18,7 @@ One call, where echo_ds.ops is built (the default): ONE launch on the caller's s
 segments this rank sends straight into the owners' buffers and raises a flag per owner, reduces its
 groups of the owned segment once its peers' flags arrive and writes the result into every rank's
 buffer, then decodes every segment's groups once the owners' flags arrive; the compensator's state is
-read and written in the same passes, and pow2 rescaling (True, or "auto") adds one max pass before it. The host issues one
+read and written in the same passes, and pow2 rescaling (True, or "auto") takes its max inside the launch. The host issues one
 binding call; flags, epochs and pointer tables live in device memory, so the call replays from a CUDA
 graph like any kernel.
 
