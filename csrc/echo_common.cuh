@@ -865,31 +865,16 @@ template <typename T, int kLanes>
 __device__ __forceinline__ unsigned block_amax_bits(const Contribution& s, const Layout& layout,
                                                     unsigned (&block_max)[kThreadsPerBlock / kWarpSize]) {
   constexpr int kItemsPerBlock = kThreadsPerBlock / kLanes;
-  // Items whose loads of x are issued before the first of them is worked on: the one-launch kernel runs
-  // this with a grid capped to what is co-resident, so the loads in flight per thread set its bandwidth.
-  constexpr int kDepth = sizeof(T) == 2 ? 4 : 2;
   const int64_t num_items = int64_t(layout.world_size) * layout.groups_per_segment;
-  const int64_t stride = int64_t(gridDim.x) * kItemsPerBlock;
   const int lane = static_cast<int>(threadIdx.x % kLanes);
   unsigned best = 0u;
-  for (int64_t first = int64_t(blockIdx.x) * kItemsPerBlock + threadIdx.x / kLanes; first < num_items;
-       first += kDepth * stride) {
-    RawChunks<T> raw[kDepth];
+  for (int64_t item = int64_t(blockIdx.x) * kItemsPerBlock + threadIdx.x / kLanes; item < num_items;
+       item += int64_t(gridDim.x) * kItemsPerBlock) {
+    float v[kElemsPerThread];
+    StateWords m1, m2;  // read only here
+    contribution<T, kLanes>(s, item * layout.group_size, lane, layout.numel, /*k=*/0, v, m1, m2);
 #pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      const int64_t item = first + d * stride;
-      if (item < num_items) load_contribution_x<T, kLanes>(s, item * layout.group_size, lane, layout.numel, raw[d]);
-    }
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      const int64_t item = first + d * stride;
-      if (item >= num_items) break;  // uniform over the group's lanes
-      float v[kElemsPerThread];
-      StateWords m1, m2;  // read only here
-      contribution_from_raw<T, kLanes>(s, raw[d], item * layout.group_size, lane, /*k=*/0, v, m1, m2);
-#pragma unroll
-      for (int i = 0; i < kElemsPerThread; ++i) best = max(best, __float_as_uint(fabsf(v[i])));
-    }
+    for (int i = 0; i < kElemsPerThread; ++i) best = max(best, __float_as_uint(fabsf(v[i])));
   }
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o /= 2) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
