@@ -10,7 +10,7 @@ Each time is the median (and min-max spread) over --iters CUDA-graph replays of 
 "bytes" is what a stage must move through device memory at the least (every input read once, every output
 written once); GB/s = bytes / time, "% copy" = that over the device-to-device copy bandwidth (bytes read +
 written) of a 1 GB copy measured in the same run. P = 4 ranks (one rank's share of the work), 4-bit codes,
-groups of 128, zero-aware policy, bf16 compensator state (m1, m2), unless a row says otherwise.
+groups of 128, zero-aware quantizer, bf16 compensator state (m1, m2), unless a row says otherwise.
 
 After the rows, a second table prices the compensator: per rank and call, the time its state adds to the
 passes of an uncompensated call (entry + owner reduce + dequantize, same rotation), converted to bytes per
@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echo_ds import collective as C  # noqa: E402
+from echo_ds import algorithm as A  # noqa: E402
 from echo_ds.compensator import kStateDtype  # noqa: E402
 from echo_ds.quant import QuantSpec  # noqa: E402
 
@@ -127,7 +127,7 @@ def stage_buffers(n: int, spec, dev):
 
     import echo_ds.ops as E
 
-    layout = C.Layout(n, P, spec.group_size)
+    layout = A.Layout(n, P, spec.group_size)
     padded = layout.padded_numel
     b = types.SimpleNamespace(layout=layout, n=n)
     b.x = (torch.randn(n, device=dev) * 2.0).to(torch.float16)
@@ -202,8 +202,8 @@ def main():
         sizes.append(s)
         s *= args.factor
 
-    spec = QuantSpec(bits=4, group_size=G_SIZE, policy="zero_aware")
-    spec_rot = QuantSpec(bits=4, group_size=G_SIZE, policy="zero_aware", rotation=True)
+    spec = QuantSpec(bits=4, group_size=G_SIZE, quantizer="zero_aware")
+    spec_rot = QuantSpec(bits=4, group_size=G_SIZE, quantizer="zero_aware", rotation=True)
     comp = Compensator(DirectionConfig())
     coeffs = E.CompensatorCoefficients.of(comp)
 
@@ -257,18 +257,18 @@ def main():
 
         # Correctness at this size: the entry's first sent segment vs the reference.
         E.push_quantize(x, rank=0, world_size=P, spec=spec, out=out_tab)
-        segs = C.to_segments(x.reshape(1, -1), layout)[0]
-        rc, rsc, rz = C.quantize_segments(segs[1], spec)
+        segs = A.to_segments(x.reshape(1, -1), layout)[0]
+        rc, rsc, rz = A.quantize_segments(segs[1], spec)
         kc, ks, kz = E.packet_views(send[1], layout, spec)
         ok = torch.equal(kc, rc) and torch.equal(ks.view(torch.int16), rsc.view(torch.int16))
         del segs, rc, rsc, rz
         add("entry", entry(), base, "bit-exact" if ok else "MISMATCH")
         add("entry+comp", entry(m1=m1, m2=m2, coeffs=coeffs), base + 4 * sent)
         add("entry+rot", entry(spec=spec_rot), base)
-        add("entry+sym", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="symmetric")), base)
-        add("entry+naive", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, policy="naive")), base)
+        add("entry+sym", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, quantizer="symmetric")), base)
+        add("entry+naive", entry(spec=QuantSpec(bits=4, group_size=G_SIZE, quantizer="naive")), base)
         if only is None or "entry+8bit" in only:
-            spec8 = QuantSpec(bits=8, group_size=G_SIZE, policy="zero_aware")
+            spec8 = QuantSpec(bits=8, group_size=G_SIZE, quantizer="zero_aware")
             send8 = E.alloc_packets(P, layout, spec8, dev)
             tab8 = E.packet_table([None, *send8[1:]], layout, spec8)
             add("entry+8bit", entry(spec=spec8, out=tab8), 2 * sent + (P - 1) * (S + 4 * G))
@@ -291,8 +291,8 @@ def main():
         for j in range(1, P):
             gathered[j].copy_(send[j])
         E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab)
-        s_hat = torch.stack([C.dequantize_segments(*E.packet_views(gathered[j], layout, spec), spec) for j in range(P)])
-        ok = torch.equal(y.view(torch.int16), C.from_segments(s_hat, layout, (n,), torch.float16).view(torch.int16))
+        s_hat = torch.stack([A.dequantize_segments(*E.packet_views(gathered[j], layout, spec), spec) for j in range(P)])
+        ok = torch.equal(y.view(torch.int16), A.from_segments(s_hat, layout, (n,), torch.float16).view(torch.int16))
         del s_hat
         add("dequantize", lambda: E.dequantize(y, world_size=P, spec=spec, gathered=gat_tab), P * cb + 2 * n,
             "bit-exact" if ok else "MISMATCH")

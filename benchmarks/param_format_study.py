@@ -9,7 +9,7 @@ on the parameters instead, 64 x 4 + 16 = 272 bits = 4.25 bits/value, and measure
     g64_ue5m3_int8      g = 64; scale as an unsigned 8-bit float "ue5m3" (fp16's 5-bit exponent,
                         bias 15, and the top 3 of its 10 mantissa bits; no sign: a scale is >= 0),
                         rounded UP; zero-point an 8-bit signed integer (int8)                 4.25 bits
-    g64_symmetric_fp16  g = 64, the library's "symmetric" policy: fp16 scale, the zero-point is
+    g64_symmetric_fp16  g = 64, the library's "symmetric" quantizer: fp16 scale, the zero-point is
                         the constant 2^(b-1) and is not sent                                   4.25 bits
     g128_ue5m3_int8     the 8 + 8 bit format at g = 128 (how much of the change is the format)  4.125 bits
     g64_ue5m7_uint4     g = 64; scale "ue5m7" (12 bits: the top 7 mantissa bits), rounded UP;
@@ -45,7 +45,7 @@ uint4, 2 for symmetric with the constant zero-point unsent). The library files a
 Everything else is ``python -m echo_ds.eval perplexity`` (echo_ds.eval.perplexity.evaluate): SmolLM2-135M
 in float32 on the CPU, emulated TP at P = 4 over the 60 forward sites, the default Echo config (Hadamard
 rotation, zero-aware, residual "local", gain 1.0, compensator reset per sequence) with only the group
-size, the quantizer policy and the parameter format changed; perplexity, KL(p_16bit || p) and top-1
+size, the quantizer and the parameter format changed; perplexity, KL(p_16bit || p) and top-1
 agreement against the 16-bit model on every predicted position. Texts: the default held-out text
 (PPL.kDefaultText; its first 4096 tokens are all The Tempest), and the first 4096 tokens of macbeth.txt
 and hamlet.txt from the shared corpus. Run from the repository root (CPU; 14 min for the default five
@@ -91,7 +91,7 @@ DEFAULT_TEXTS = (
     ("hamlet", os.path.join(kShared, "hamlet.txt")),
 )
 
-# name -> (group_size, quantizer policy, parameter format)
+# name -> (group_size, quantizer, parameter format)
 VARIANTS = {
     "g128_fp16": (128, "zero_aware", "fp16"),
     "g64_fp16": (64, "zero_aware", "fp16"),
@@ -165,10 +165,10 @@ def on_scale_grid(s8: torch.Tensor, fmt: IntZeroFormat) -> torch.Tensor:
     return (bits & ((1 << fmt.drop) - 1)) == 0
 
 
-def int_zero_params(groups: torch.Tensor, bits: int, policy: str, fmt_name: str = "ue5m3_int8"):
+def int_zero_params(groups: torch.Tensor, bits: int, quantizer: str, fmt_name: str = "ue5m3_int8"):
     """(scale, zero, finite) in an integer-zero format, from the library's zero-aware parameters."""
     fmt = INT_ZERO_FORMATS[fmt_name]
-    scale16, zero16, finite = _original_compute_params(groups, bits, policy)
+    scale16, zero16, finite = _original_compute_params(groups, bits, quantizer)
     mn = groups.amin(dim=1)
     mx = groups.amax(dim=1)
     zf = torch.zeros_like(mn)
@@ -210,15 +210,15 @@ def int_zero_params(groups: torch.Tensor, bits: int, policy: str, fmt_name: str 
     return scale, z.to(torch.float16), finite
 
 
-def study_compute_params(groups: torch.Tensor, bits: int, policy: str):
+def study_compute_params(groups: torch.Tensor, bits: int, quantizer: str):
     if _state["format"] in INT_ZERO_FORMATS:
-        return int_zero_params(groups, bits, policy, _state["format"])
-    return _original_compute_params(groups, bits, policy)
+        return int_zero_params(groups, bits, quantizer, _state["format"])
+    return _original_compute_params(groups, bits, quantizer)
 
 
 def study_wire_bytes(numel: int, bits: int, group_size: int) -> int:
     num_groups = -(-numel // group_size)
-    return num_groups * (group_size * bits // 8 + PARAM_BYTES[_state["format"]])
+    return num_groups * (Q.group_code_bytes(bits, group_size) + PARAM_BYTES[_state["format"]])
 
 
 def self_check() -> None:
@@ -262,9 +262,9 @@ class StudyEmulator(TPEmulator):
         super().set_config(config)
 
 
-def make_config(base: EchoConfig, group_size: int, policy: str) -> EchoConfig:
+def make_config(base: EchoConfig, group_size: int, quantizer: str) -> EchoConfig:
     data = base.model_dump()
-    data.update(group_size=group_size, quantizer=policy)
+    data.update(group_size=group_size, quantizer=quantizer)
     return EchoConfig(**data)
 
 
@@ -302,10 +302,10 @@ def main() -> int:
             sequences = PPL.tokenize_sequences(loaded.tokenizer, text, args.tokens, args.seq_len)
             variants = []
             for n in names:
-                g, policy, fmt = VARIANTS[n]
-                cfg = make_config(base, g, policy)
+                g, quantizer, fmt = VARIANTS[n]
+                cfg = make_config(base, g, quantizer)
                 tp.format_of[id(cfg)] = (n, fmt)
-                variants.append(PPL.Variant(n, cfg, None, f"g={g}, {policy}, params {fmt}"))
+                variants.append(PPL.Variant(n, cfg, None, f"g={g}, {quantizer}, params {fmt}"))
             _stats.clear()
             start = time.perf_counter()
             results = PPL.evaluate(loaded.model, tp, sequences, variants)
@@ -313,8 +313,8 @@ def main() -> int:
             for r in results:
                 r["ppl_rel_change"] = r["ppl"] / ref - 1.0
             for r in results[1:]:
-                g, policy, fmt = VARIANTS[r["name"]]
-                r.update(group_size=g, policy=policy, param_format=fmt)
+                g, quantizer, fmt = VARIANTS[r["name"]]
+                r.update(group_size=g, quantizer=quantizer, param_format=fmt)
                 st = _stats.get(r["name"])
                 if st:
                     r["format_stats"] = dict(st, bumped_share=st["bumped"] / st["groups"],
@@ -336,7 +336,7 @@ def main() -> int:
                            seq_len=args.seq_len, tp=args.tp, machine=platform.platform(),
                            torch=torch.__version__, num_threads=torch.get_num_threads(),
                            base_config=base.model_dump(mode="json"),
-                           variants={n: dict(zip(("group_size", "policy", "param_format"), VARIANTS[n]))
+                           variants={n: dict(zip(("group_size", "quantizer", "param_format"), VARIANTS[n]))
                                      for n in names},
                            param_bytes_per_group=PARAM_BYTES, runs=runs)
                 os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -39,8 +39,8 @@ def main():
         print("DeepSpeed quantizer unavailable:", ds_error)
     dev = torch.device("cuda")
     n = parse_bytes(args.bytes) // 2
-    spec = QuantSpec(bits=4, group_size=G_SIZE, policy="zero_aware")
-    spec_rot = QuantSpec(bits=4, group_size=G_SIZE, policy="zero_aware", rotation=True)
+    spec = QuantSpec(bits=4, group_size=G_SIZE, quantizer="zero_aware")
+    spec_rot = QuantSpec(bits=4, group_size=G_SIZE, quantizer="zero_aware", rotation=True)
     coeffs = E.CompensatorCoefficients.of(Compensator(DirectionConfig()))
     b = stage_buffers(n, spec, dev)
     layout, x, m1, m2, send, gathered = b.layout, b.x, b.m1, b.m2, b.send, b.gathered

@@ -2,8 +2,9 @@
 
 Numerics core (runs anywhere): :mod:`echo_ds.quant` (quantizers), :mod:`echo_ds.compensator`
 (two-timescale error feedback), :mod:`echo_ds.reference` (the all-reduce over torch.distributed, the
-specification), :mod:`echo_ds.emulate` (the same for P ranks in one process), :mod:`echo_ds.config`
-(the ``"echo"`` section of ds_config.json).
+specification), :mod:`echo_ds.emulate` (the same for P ranks in one process), :mod:`echo_ds.algorithm`
+(the arithmetic both share, without the communication), :mod:`echo_ds.config` (the ``"echo"`` section of
+ds_config.json).
 
 DeepSpeed mode: ``echo_ds.initialize(...)`` (the arguments and returns of ``deepspeed.initialize``),
 ``echo_ds.init_inference(...)`` and ``echo_ds.enable(engine)``: every AutoTP all-reduce goes through Echo.

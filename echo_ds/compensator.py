@@ -21,6 +21,8 @@ Two residuals (``residual``):
     segments it sent and the requantization error of the segment it owns. It sums to -delta as well,
     and each rank's state stays at the size of one rounding error (Theorem 1's bound holds per rank).
 
+Both are computed by :func:`echo_ds.algorithm.output_residual` and :func:`echo_ds.algorithm.local_residual`.
+
 With the Hadamard rotation on, the state lives in the rotated domain (the rotation is orthonormal and
 linear, so the feedback is the same in either domain and no inverse rotation of the errors is needed).
 

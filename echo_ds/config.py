@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
-from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS, Policy, QuantSpec
+from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS, Quantizer, QuantSpec
 
 ECHO_KEY = "echo"
 # The values of "backend": "auto" (p2p where the group can use it, else reference), "reference"
@@ -120,7 +120,7 @@ class DirectionConfig(_Section):
         error, u_i = -e_i (bounded state, see echo_ds.compensator).
     pow2_rescale: the exact power-of-two rescaling of the message before it is quantized (section 5.4):
         true at every call, ``"auto"`` only for a message whose largest magnitude lies outside
-        [2^-6, 2^15), where fp16 group scales would clip it or flush it to zero (echo_ds.collective), false
+        [2^-6, 2^15), where fp16 group scales would clip it or flush it to zero (echo_ds.algorithm), false
         never. It applies whether or not the direction compensates.
     """
 
@@ -177,7 +177,7 @@ class EchoConfig(_Section):
     enabled: bool = True
     bits: int = 4
     group_size: int = 128
-    quantizer: Policy = "zero_aware"
+    quantizer: Quantizer = "zero_aware"
     rotation: Literal["none", "hadamard"] = "hadamard"
     forward: ForwardConfig = Field(default_factory=ForwardConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
@@ -229,7 +229,7 @@ class EchoConfig(_Section):
     def quant_spec(self, bits: Optional[int] = None) -> QuantSpec:
         """The quantizer settings of one call (``bits`` overrides the section's, e.g. early sites)."""
         return QuantSpec(bits=self.bits if bits is None else bits, group_size=self.group_size,
-                         policy=self.quantizer, rotation=self.rotation == "hadamard")
+                         quantizer=self.quantizer, rotation=self.rotation == "hadamard")
 
     def bits_for_site(self, site_index: int, num_sites: int) -> int:
         """Bit width of forward site ``site_index`` (0-based) of a pass with ``num_sites`` sites."""

@@ -11,10 +11,10 @@ from typing import Optional
 
 import torch
 
-from echo_ds import collective as C
+from echo_ds import algorithm as A
 from echo_ds.compensator import Compensator, make_compensator
 from echo_ds.config import EchoConfig
-from echo_ds.quant import QuantSpec, reciprocal
+from echo_ds.quant import QuantSpec
 
 
 def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator] = None,
@@ -29,34 +29,32 @@ def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: 
     out_shape = parts.shape[1:]
     if P == 1:
         return parts[0].clone()
-    layout = C.Layout(parts[0].numel(), P, spec.group_size)
-    r = C.rotate_if(C.to_segments(parts, layout), spec)  # [P rank, P segment, G, g]
+    layout = A.Layout(parts[0].numel(), P, spec.group_size)
+    r = A.rotate_if(A.to_segments(parts, layout), spec)  # [P rank, P segment, G, g]
     if compensator is not None:
         r = r + compensator.correction(r.shape, r.device)
-    C.check_pow2_mode(pow2_rescale, "emulated_echo_all_reduce")
-    k = C.pow2_exponent(r.abs().amax(), pow2_rescale) if pow2_rescale else 0
+    A.check_pow2_mode(pow2_rescale, "emulated_echo_all_reduce")
+    k = A.pow2_exponent(r.abs().amax(), pow2_rescale) if pow2_rescale else 0
     rs = r * 2.0**k if k else r
 
     # Every rank quantizes every segment; the diagonal (a rank's own segment) is never sent.
-    sent = C.quantize_segments(rs, spec)
-    copies = C.dequantize_segments(*sent, spec)
+    sent = A.quantize_segments(rs, spec)
+    copies = A.dequantize_segments(*sent, spec)
     diag = torch.arange(P, device=parts.device)
     terms = copies.clone()
     terms[diag, diag] = rs[diag, diag]
-    acc = C.ordered_sum(terms)  # [P owner, G, g]
-    s_hat_scaled = C.dequantize_segments(*C.quantize_segments(acc, spec), spec)
+    acc = A.ordered_sum(terms)  # [P owner, G, g]
+    s_hat_scaled = A.dequantize_segments(*A.quantize_segments(acc, spec), spec)
     s_hat = s_hat_scaled * 2.0**-k if k else s_hat_scaled
-    y = C.from_segments(C.unrotate_if(s_hat, spec), layout, out_shape, parts.dtype)
+    y = A.from_segments(A.unrotate_if(s_hat, spec), layout, out_shape, parts.dtype)
 
     if compensator is not None:
         if compensator.residual == "output":
-            u = r - s_hat[None] * reciprocal(P)
+            u = A.output_residual(r, s_hat, P)
         else:
-            err = copies - rs
-            err[diag, diag] = s_hat_scaled - acc
-            u = -(err * 2.0**-k) if k else -err
+            u = A.local_residual(rs, copies, (diag, diag), s_hat_scaled, acc, down=2.0**-k if k else None)
         if compensator.telemetry:
-            exact = C.ordered_sum(r)
+            exact = A.ordered_sum(r)
             compensator.record(torch.linalg.vector_norm(s_hat - exact))
         compensator.update(u)
     return y

@@ -1,7 +1,7 @@
 """Group-wise b-bit quantizers with fp16 per-group parameters (section 4.3 of the Echo paper).
 
 Every value of a group of ``group_size`` (g) consecutive elements is sent as a b-bit code ``q`` together
-with two fp16 parameters of the group, a scale ``s`` and a zero-point ``z`` (in code units). Every policy
+with two fp16 parameters of the group, a scale ``s`` and a zero-point ``z`` (in code units). Every quantizer
 decodes with the same affine map::
 
     x_hat = (q - z) * s                      (fp32: one subtraction, then one multiplication)
@@ -12,7 +12,7 @@ gets the same values::
     inv = 1 / s                              (fp32 division)
     q   = clip(rint(x * inv + z), q_min, 2^b - 1)
 
-Policies (``policy``):
+Quantizers (``quantizer``):
 
 ``"symmetric"`` (equation 8)
     ``s = max|x| / (2^(b-1) - 1)``, ``z = 2^(b-1)``, codes ``1 .. 2^b - 1`` (the most negative code is
@@ -33,7 +33,7 @@ Numerics contract (the CUDA kernels reproduce it bit for bit, so the operation o
 * The scale is rounded *up* to fp16 (never below what the range needs), clamped to the largest finite
   fp16 (65504: values beyond ``65504 * (2^b - 1)`` in range saturate to the grid's ends instead of
   producing inf) and to at least the smallest fp16 subnormal (2^-24, so a scale never underflows to 0).
-* For the asymmetric policies the scale is at least ``max|x| / 1024``, which keeps ``|z| <= 1024`` so
+* For the asymmetric quantizers the scale is at least ``max|x| / 1024``, which keeps ``|z| <= 1024`` so
   the fp16 zero-point is exact to a quarter code; below that ratio the group is narrower than fp16's own
   resolution of its values.
 * A group that holds a NaN or an infinity gets scale NaN and codes 0: it decodes to NaN in full, so
@@ -55,8 +55,8 @@ from typing import Literal
 
 import torch
 
-Policy = Literal["zero_aware", "symmetric", "naive"]
-POLICIES = ("zero_aware", "symmetric", "naive")
+Quantizer = Literal["zero_aware", "symmetric", "naive"]
+QUANTIZERS = ("zero_aware", "symmetric", "naive")
 SUPPORTED_BITS = (4, 8)
 MIN_GROUP_SIZE = 16
 MAX_GROUP_SIZE = 4096
@@ -78,24 +78,24 @@ def reciprocal(c: float) -> float:
     return f32(1.0 / c)
 
 
-def check_quant_args(bits: int, group_size: int, policy: str) -> None:
+def check_quant_args(bits: int, group_size: int, quantizer: str) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported: use one of {SUPPORTED_BITS}")
     if not (isinstance(group_size, int) and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE
             and group_size & (group_size - 1) == 0):
         raise ValueError(f"group_size={group_size!r} must be a power of two in "
                          f"[{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}]")
-    if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r} is not one of {POLICIES}")
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer={quantizer!r} is not one of {QUANTIZERS}")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Quantizer settings of one collective call: bit width b, group size g, policy, rotation."""
+    """Quantizer settings of one collective call: bit width b, group size g, quantizer, rotation."""
 
     bits: int = 4
     group_size: int = 128
-    policy: str = "zero_aware"
+    quantizer: str = "zero_aware"
     rotation: bool = False
 
     def __post_init__(self):
@@ -104,11 +104,11 @@ class QuantSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"QuantSpec: {name}={value!r} must be an int")
-        if not isinstance(self.policy, str):
-            raise TypeError(f"QuantSpec: policy={self.policy!r} must be one of {POLICIES}")
+        if not isinstance(self.quantizer, str):
+            raise TypeError(f"QuantSpec: quantizer={self.quantizer!r} must be one of {QUANTIZERS}")
         if not isinstance(self.rotation, bool):
             raise TypeError(f"QuantSpec: rotation={self.rotation!r} must be True or False")
-        check_quant_args(self.bits, self.group_size, self.policy)
+        check_quant_args(self.bits, self.group_size, self.quantizer)
 
     def wire_bytes(self, numel: int) -> int:
         return wire_bytes(numel, self.bits, self.group_size)
@@ -131,7 +131,7 @@ class Quantized:
     group_size: int
     numel: int
     shape: tuple
-    policy: str = "zero_aware"
+    quantizer: str = "zero_aware"
 
     @property
     def num_groups(self) -> int:
@@ -140,13 +140,31 @@ class Quantized:
     @property
     def wire_bytes(self) -> int:
         """Bytes this tensor takes on the wire: codes plus two fp16 parameters per group."""
-        return self.codes.numel() + 4 * self.num_groups
+        return self.num_groups * group_wire_bytes(self.bits, self.group_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sizes on the wire
+# ----------------------------------------------------------------------------------------------------
+
+# Bytes of a group's parameters: its fp16 scale and its fp16 zero-point.
+kParamBytesPerGroup = 4
+
+
+def group_code_bytes(bits: int, group_size: int) -> int:
+    """Bytes of one group's packed codes: g b / 8."""
+    return group_size * bits // 8
+
+
+def group_wire_bytes(bits: int, group_size: int) -> int:
+    """Bytes of one group on the wire: g b / 8 code bytes plus 4 bytes of fp16 scale and zero."""
+    return group_code_bytes(bits, group_size) + kParamBytesPerGroup
 
 
 def wire_bytes(numel: int, bits: int, group_size: int) -> int:
     """Bytes of ``numel`` elements quantized at ``bits`` with one (scale, zero) fp16 pair per group."""
     num_groups = -(-numel // group_size)
-    return num_groups * (group_size * bits // 8 + 4)
+    return num_groups * group_wire_bytes(bits, group_size)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -171,7 +189,7 @@ def _levels(bits: int) -> float:
     return float(2**bits - 1)
 
 
-def compute_params(groups: torch.Tensor, bits: int, policy: str):
+def compute_params(groups: torch.Tensor, bits: int, quantizer: str):
     """Per-group fp16 (scale, zero) of ``groups`` (fp32, shape [num_groups, g]).
 
     Returns (scale fp16 [num_groups], zero fp16 [num_groups], finite bool [num_groups]).
@@ -185,14 +203,14 @@ def compute_params(groups: torch.Tensor, bits: int, policy: str):
     amax = torch.maximum(mn.abs(), mx.abs())
     L = _levels(bits)
 
-    if policy == "symmetric":
+    if quantizer == "symmetric":
         qmax = float(2 ** (bits - 1) - 1)
         scale = _group_scale(amax * reciprocal(qmax))
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
     else:
         # Naive scale, floored so that |zero| <= kMaxZeroPoint codes.
         s0 = torch.maximum((mx - mn) * reciprocal(L), amax * reciprocal(kMaxZeroPoint))
-        if policy == "naive":
+        if quantizer == "naive":
             scale = _group_scale(s0)
             zero = (-mn / scale.float()).to(torch.float16)
         else:
@@ -249,13 +267,13 @@ def _zero_aware_params(mn, mx, s0, L):
 # ----------------------------------------------------------------------------------------------------
 
 def encode(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, finite: torch.Tensor,
-           bits: int, policy: str) -> torch.Tensor:
+           bits: int, quantizer: str) -> torch.Tensor:
     """Integer codes (uint8, [num_groups, g], unpacked) of fp32 ``groups`` under fp16 parameters."""
     inv = 1.0 / scale.float()
     t = groups * inv[:, None]
     t = t + zero.float()[:, None]
     q = torch.round(t)
-    q_min = 1.0 if policy == "symmetric" else 0.0
+    q_min = 1.0 if quantizer == "symmetric" else 0.0
     q = torch.clamp(q, q_min, _levels(bits))
     q = torch.where(finite[:, None], q, torch.zeros_like(q))
     return q.to(torch.uint8)
@@ -294,10 +312,10 @@ def to_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return flat.view(-1, group_size)
 
 
-def quantize_groups(groups: torch.Tensor, bits: int, policy: str):
+def quantize_groups(groups: torch.Tensor, bits: int, quantizer: str):
     """(packed codes, scale, zero) of fp32 ``groups`` [num_groups, g]."""
-    scale, zero, finite = compute_params(groups, bits, policy)
-    q = encode(groups, scale, zero, finite, bits, policy)
+    scale, zero, finite = compute_params(groups, bits, quantizer)
+    q = encode(groups, scale, zero, finite, bits, quantizer)
     return pack(q, bits), scale, zero
 
 
@@ -306,14 +324,15 @@ def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     return decode(unpack(codes, bits), scale, zero)
 
 
-def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 128, policy: Policy = "zero_aware") -> Quantized:
+def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 128,
+             quantizer: Quantizer = "zero_aware") -> Quantized:
     """Quantize ``x`` (any shape; fp32, bf16 or fp16) group-wise along its flattened order."""
-    check_quant_args(bits, group_size, policy)
+    check_quant_args(bits, group_size, quantizer)
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
     groups = to_groups(x, group_size)
-    codes, scale, zero = quantize_groups(groups, bits, policy)
-    return Quantized(codes, scale, zero, bits, group_size, x.numel(), tuple(x.shape), policy)
+    codes, scale, zero = quantize_groups(groups, bits, quantizer)
+    return Quantized(codes, scale, zero, bits, group_size, x.numel(), tuple(x.shape), quantizer)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -323,9 +342,9 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 def fake_quantize(x: torch.Tensor, bits: int = 4, group_size: int = 128,
-                  policy: Policy = "zero_aware") -> torch.Tensor:
+                  quantizer: Quantizer = "zero_aware") -> torch.Tensor:
     """The quantize-dequantize round trip of ``x``, in ``x``'s dtype and shape."""
-    return dequantize(quantize(x, bits, group_size, policy), x.dtype)
+    return dequantize(quantize(x, bits, group_size, quantizer), x.dtype)
 
 
 def step_bound(q: Quantized) -> torch.Tensor:
@@ -341,9 +360,9 @@ def step_bound(q: Quantized) -> torch.Tensor:
     z = q.zero.float()
     L = _levels(q.bits)
     integral = z == torch.round(z)
-    if q.policy == "symmetric":
+    if q.quantizer == "symmetric":
         exact_zero = torch.ones_like(integral)
-    elif q.policy == "zero_aware":
+    elif q.quantizer == "zero_aware":
         exact_zero = integral & (z >= 1) & (z <= L - 1)
     else:
         exact_zero = torch.zeros_like(integral)

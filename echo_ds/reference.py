@@ -4,7 +4,7 @@ This is the specification: the CUDA path reproduces its numbers bit for bit. One
 non-owned segment once to its owner as b-bit codes (``all_to_all_single``), the owner sums the P copies
 in fp32 with its own copy unquantized, quantizes the sum once, and an ``all_gather`` of the codes gives
 every rank the same values. Every element is quantized at most twice, for any P. The stages are in
-:mod:`echo_ds.collective`.
+:mod:`echo_ds.algorithm`.
 
 Call agreement. Before any data is combined, the ranks agree on a call descriptor: one all_gather of
 ``kDescriptorLen`` int64 per rank (:data:`DESCRIPTOR_FIELDS`: element count, dtype, bits, group size,
@@ -41,10 +41,11 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from echo_ds import collective as C
+from echo_ds import algorithm as A
+from echo_ds import quant as Q
 from echo_ds.compensator import Compensator
 from echo_ds.p2p import protocol as _p2p_protocol
-from echo_ds.quant import POLICIES, QuantSpec, reciprocal
+from echo_ds.quant import QUANTIZERS, QuantSpec
 
 __all__ = ["echo_all_reduce", "exact_all_reduce", "call_count", "default_timeout", "EchoCallMismatch",
            "EchoPeerError", "EchoTimeout", "DESCRIPTOR_FIELDS", "STAGES", "kDescriptorLen"]
@@ -195,7 +196,7 @@ def _descriptor(x: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensa
     else:
         comp = 1 + _RESIDUALS.index(compensator.residual) if compensator.residual in _RESIDUALS else 99
     return [kDescriptorMagic, x.numel(), _DTYPES.index(x.dtype) if x.dtype in _DTYPES else 99, spec.bits,
-            spec.group_size, POLICIES.index(spec.policy), int(spec.rotation), C.pow2_code(pow2_rescale), comp,
+            spec.group_size, QUANTIZERS.index(spec.quantizer), int(spec.rotation), A.pow2_code(pow2_rescale), comp,
             int(compensator is not None and bool(compensator.telemetry)),
             _kUnset if direction is None else DIRECTIONS.index(direction), _kUnset if site is None else site, call]
 
@@ -208,11 +209,11 @@ def _show(field: str, v: int) -> str:
     if field == "dtype":
         return pick([str(d).replace("torch.", "") for d in _DTYPES], v)
     if field == "quantizer":
-        return pick(POLICIES, v)
+        return pick(QUANTIZERS, v)
     if field in ("rotation", "telemetry"):
         return str(bool(v))
     if field == "pow2_rescale":
-        return pick([str(m) for m in C.POW2_MODES], v)
+        return pick([str(m) for m in A.POW2_MODES], v)
     if field == "compensator":
         return "none" if v == 0 else f"residual={pick(_RESIDUALS, v - 1)}"
     if field == "direction":
@@ -246,7 +247,8 @@ def _check_agreement(rows: List[List[int]], call: int) -> None:
 
 
 def _packet(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """[S, G, c] codes and [S, G] fp16 parameters -> [S, G * (c + 4)] bytes on the wire."""
+    """[S, G, c] codes and [S, G] fp16 parameters -> [S, G * quant.group_wire_bytes] bytes on the wire:
+    the codes, then the scales, then the zero-points."""
     S = codes.shape[0]
     return torch.cat((codes.reshape(S, -1), scale.reshape(S, -1).view(torch.uint8),
                       zero.reshape(S, -1).view(torch.uint8)), dim=1)
@@ -287,13 +289,13 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     """The Echo all-reduce of ``x`` over ``group``: a new tensor of ``x``'s shape and dtype.
 
     x: this rank's contribution, any shape, fp32 / bf16 / fp16 (left untouched).
-    spec: bits, group size, quantizer policy and rotation.
+    spec: bits, group size, quantizer and rotation.
     compensator: when given, its correction is added before quantizing and its state updated with this
         call's residual (the same object must be passed at every site of the pass, in the same order on
         every rank).
     pow2_rescale: True: multiply by a power of two chosen from the group's largest magnitude before
         quantizing and divide after (exact); "auto" (the default): only when that magnitude lies outside
-        [2^-6, 2^15), where a fixed fp16 group scale would clip or flush to zero (collective.POW2_MODES);
+        [2^-6, 2^15), where a fixed fp16 group scale would clip or flush to zero (algorithm.POW2_MODES);
         False: never. Each rank's largest magnitude travels in the descriptor all-gather (no extra
         collective); the compensator stays outside the scaling.
     direction, site: what the caller's call is ("forward" / "backward", a site index >= 0), for the
@@ -307,7 +309,7 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     if not x.is_floating_point():
         raise TypeError(f"echo_all_reduce expects a floating-point tensor, got {x.dtype}")
     check_differentiable_input(x, "echo_all_reduce")
-    C.check_pow2_mode(pow2_rescale, "echo_all_reduce")
+    A.check_pow2_mode(pow2_rescale, "echo_all_reduce")
     if direction is not None and direction not in DIRECTIONS:
         raise ValueError(f"echo_all_reduce: direction={direction!r} must be None or one of {DIRECTIONS}")
     if site is not None and (isinstance(site, bool) or not isinstance(site, int) or site < 0):
@@ -322,23 +324,23 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     rank = dist.get_rank(group)
     call = _Call(rank, world_size, _next_call(group), site, direction, float(timeout_s))
 
-    layout = C.Layout(x.numel(), world_size, spec.group_size)
+    layout = A.Layout(x.numel(), world_size, spec.group_size)
     G = layout.groups_per_segment
-    code_bytes = spec.group_size * spec.bits // 8
+    code_bytes = Q.group_code_bytes(spec.bits, spec.group_size)
     others = [j for j in range(world_size) if j != rank]
 
     # Entry: rotate, compensate; the descriptor exchange (with the pow2 max); rescale; quantize the
     # segments this rank sends. Only the correction's state allocation precedes the check.
-    r = C.rotate_if(C.to_segments(x.reshape(1, -1), layout), spec)[0]  # [P, G, g]
+    r = A.rotate_if(A.to_segments(x.reshape(1, -1), layout), spec)[0]  # [P, G, g]
     if compensator is not None:
         r = r + compensator.correction(r.shape, r.device)
     amax = _agree(x, spec, compensator, pow2_rescale, r.abs().amax() if pow2_rescale else None, call, group)
-    k = C.pow2_exponent(amax, pow2_rescale) if pow2_rescale else 0
+    k = A.pow2_exponent(amax, pow2_rescale) if pow2_rescale else 0
     rs = r * 2.0**k if k else r
-    sent = C.quantize_segments(rs[others], spec)
+    sent = A.quantize_segments(rs[others], spec)
 
     # All-to-all: segment j to its owner j (nothing to self).
-    packet_bytes = G * (code_bytes + 4)
+    packet_bytes = G * Q.group_wire_bytes(spec.bits, spec.group_size)
     send = _packet(*sent).reshape(-1)
     recv = torch.empty((world_size - 1) * packet_bytes, dtype=torch.uint8, device=x.device)
     splits = [0 if j == rank else packet_bytes for j in range(world_size)]
@@ -346,29 +348,27 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
                                                           input_split_sizes=splits, group=group, async_op=True))
 
     # Owner reduce: fp32 sum in rank order, own copy unquantized; requantize once.
-    copies = C.dequantize_segments(*_unpacket(recv.view(world_size - 1, -1), G, code_bytes), spec)
+    copies = A.dequantize_segments(*_unpacket(recv.view(world_size - 1, -1), G, code_bytes), spec)
     terms = torch.empty((world_size, G, spec.group_size), dtype=torch.float32, device=x.device)
     terms[others] = copies
     terms[rank] = rs[rank]
-    acc = C.ordered_sum(terms)
-    reduced = C.quantize_segments(acc[None], spec)
+    acc = A.ordered_sum(terms)
+    reduced = A.quantize_segments(acc[None], spec)
 
     # All-gather of the reduced codes; every rank dequantizes the same codes.
     gathered = torch.empty(world_size * packet_bytes, dtype=torch.uint8, device=x.device)
     mine = _packet(*reduced).reshape(-1)
     call.run("all-gather", lambda: _all_gather(gathered, mine, group=group, async_op=True))
-    s_hat_scaled = C.dequantize_segments(*_unpacket(gathered.view(world_size, -1), G, code_bytes), spec)
+    s_hat_scaled = A.dequantize_segments(*_unpacket(gathered.view(world_size, -1), G, code_bytes), spec)
     s_hat = s_hat_scaled * 2.0**-k if k else s_hat_scaled
-    y = C.from_segments(C.unrotate_if(s_hat, spec), layout, x.shape, x.dtype)
+    y = A.from_segments(A.unrotate_if(s_hat, spec), layout, x.shape, x.dtype)
 
     if compensator is not None:
         if compensator.residual == "output":
-            u = r - s_hat * reciprocal(world_size)
+            u = A.output_residual(r, s_hat, world_size)
         else:
-            err = torch.empty_like(rs)
-            err[others] = C.dequantize_segments(*sent, spec) - rs[others]
-            err[rank] = s_hat_scaled[rank] - acc
-            u = -(err * 2.0**-k) if k else -err
+            u = A.local_residual(rs, A.dequantize_segments(*sent, spec), rank, s_hat_scaled[rank], acc,
+                                 sent_index=others, down=2.0**-k if k else None)
         if compensator.telemetry:
             exact = r.clone()
             call.run("telemetry", lambda: dist.all_reduce(exact, group=group, async_op=True))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from echo_ds.compensator import make_compensator
 from echo_ds.config import DirectionConfig
 from echo_ds.emulate import emulated_echo_all_reduce
-from echo_ds.quant import POLICIES, QuantSpec
+from echo_ds.quant import QUANTIZERS, QuantSpec
 from echo_ds.reference import echo_all_reduce
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,11 +106,11 @@ def check_options(buf, rank, P, device, n, cpu_ref, stride=1):
     """Every dtype x bit width x quantizer x rotation (and group sizes), against the emulator on this
     device and the CPU reference (every ``stride``-th combination)."""
     num = 0
-    for i, (dtype, bits, policy, rot) in enumerate(
-            (d, b, p, r) for d in DTYPES for b in (4, 8) for p in POLICIES for r in (False, True)):
+    for i, (dtype, bits, quantizer, rot) in enumerate(
+            (d, b, p, r) for d in DTYPES for b in (4, 8) for p in QUANTIZERS for r in (False, True)):
         if i % stride:
             continue
-        spec = QuantSpec(bits, (64, 128, 256, 16)[i % 4], policy, rot)
+        spec = QuantSpec(bits, (64, 128, 256, 16)[i % 4], quantizer, rot)
         # never, always (gradient-sized values), "auto" beyond its window (fp16 stays in range)
         pow2 = (False, True, "auto")[i % 3]
         scale = {False: 1.0, True: 1e-5, "auto": 1.0 if dtype == torch.float16 else 1e5}[pow2]

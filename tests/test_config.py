@@ -75,7 +75,7 @@ def test_auto_survives_deepspeeds_auto_stripping():
 def test_quant_spec_and_site_bits():
     cfg = EchoConfig(bits=4, group_size=64, rotation="hadamard", early_sites={"bits": 8, "fraction": 0.5})
     spec = cfg.quant_spec()
-    assert (spec.bits, spec.group_size, spec.policy, spec.rotation) == (4, 64, "zero_aware", True)
+    assert (spec.bits, spec.group_size, spec.quantizer, spec.rotation) == (4, 64, "zero_aware", True)
     assert cfg.quant_spec(bits=8).bits == 8
     assert [cfg.bits_for_site(i, 6) for i in range(6)] == [8, 8, 8, 4, 4, 4]
     assert [EchoConfig().bits_for_site(i, 4) for i in range(4)] == [4, 4, 4, 4]
@@ -201,7 +201,7 @@ def _write(tmp_path, name, text):
     ({"bits": True}, TypeError, r"bits=True must be an int"),
     ({"bits": 4.0}, TypeError, r"bits=4\.0 must be an int"),
     ({"group_size": 128.0}, TypeError, r"group_size=128\.0 must be an int"),
-    ({"policy": None}, TypeError, r"policy=None must be one of"),
+    ({"quantizer": None}, TypeError, r"quantizer=None must be one of"),
     ({"bits": 3}, ValueError, r"bits=3 is not supported"),
 ])
 def test_quant_spec_refuses_misuse(kwargs, error, match):

@@ -67,7 +67,7 @@ PATH_RE = re.compile(r"(?<![\w./$:-])(?:(?:" + "|".join(TOP_DIRS) + r")/[\w.*{},
                      + "|".join(re.escape(f) for f in TOP_FILES) + r")(?![\w/]))(?:::\w+)?")
 DOTTED_RE = re.compile(r"(?<![\w./-])echo_ds(?:\.[A-Za-z_]\w*)+")
 # Module names the docs use without the package (``quant.reciprocal``), each unambiguous in echo_ds.
-SHORT_MODULES = {"quant": "echo_ds.quant", "collective": "echo_ds.collective", "compensator": "echo_ds.compensator",
+SHORT_MODULES = {"quant": "echo_ds.quant", "algorithm": "echo_ds.algorithm", "compensator": "echo_ds.compensator",
                  "reference": "echo_ds.reference", "emulate": "echo_ds.emulate", "protocol": "echo_ds.p2p.protocol"}
 SHORT_RE = re.compile(r"^(" + "|".join(SHORT_MODULES) + r")\.([A-Za-z_]\w*)(?:\(.*\))?$")
 PYTHON_M_RE = re.compile(r"\bpython3?\s+-m\s+([\w.]+)")

@@ -1,6 +1,6 @@
 """The CUDA kernels against the reference, bit for bit (skipped without a CUDA device).
 
-Each stage is compared with the reference's own stage functions (echo_ds.collective / quant /
+Each stage is compared with the reference's own stage functions (echo_ds.algorithm / quant /
 compensator) run on the same GPU, and the chained stages of P emulated ranks with
 echo_ds.emulate.emulated_echo_all_reduce. Inputs are fresh random tensors with groups of every kind
 (centred, one-sided, nearly one-sided for the zero-aware blend, wide dynamic range, exact zeros) and
@@ -21,12 +21,12 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from echo_ds import collective as C  # noqa: E402
+from echo_ds import algorithm as A  # noqa: E402
 from echo_ds.quant import QuantSpec  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BITS = (4, 8)
-POLICIES = ("zero_aware", "symmetric", "naive")
+QUANTIZERS = ("zero_aware", "symmetric", "naive")
 GROUP_SIZES = (64, 128, 256)
 WORLD_SIZES = (2, 3, 4, 8)
 
@@ -155,11 +155,11 @@ def expected_state(comp, m1, m2, u, segments):
 # ----------------------------------------------------------------------------------------------------
 
 def ref_rotated(x, layout, spec):
-    return C.rotate_if(C.to_segments(x.reshape(1, -1), layout), spec)[0]  # [P, G, g]
+    return A.rotate_if(A.to_segments(x.reshape(1, -1), layout), spec)[0]  # [P, G, g]
 
 
 def ref_pow2(amax):
-    return C.pow2_exponent(amax) if amax is not None else 0
+    return A.pow2_exponent(amax) if amax is not None else 0
 
 
 def ref_contribution(x, layout, spec, comp_mode, pow2, gen):
@@ -214,14 +214,14 @@ def plant_specials(x: torch.Tensor, layout, rank: int) -> None:
 
 def entry_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, gen, specials=False):
     g = spec.group_size
-    layout = C.Layout(numel, P, g)
+    layout = A.Layout(numel, P, g)
     x = random_input(numel, g, dtype, gen)
     if specials:
         plant_specials(x, layout, rank)
     rs, k, kw, before = ref_contribution(x, layout, spec, comp_mode, pow2, gen)
     update = local and before is not None
     others = [j for j in range(P) if j != rank]
-    codes, scale, zero = C.quantize_segments(rs[others], spec)
+    codes, scale, zero = A.quantize_segments(rs[others], spec)
 
     packets = poison_packets(P, layout, spec, ops)
     rows = [None if j == rank else packets[j] for j in range(P)]
@@ -235,42 +235,42 @@ def entry_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, gen,
         comp, m1, m2 = before
         if update:  # residual "local" of the sent segments, folded in; the own segment is the reduce's
             u = torch.zeros_like(rs)
-            err = C.dequantize_segments(codes, scale, zero, spec) - rs[others]
+            err = A.dequantize_segments(codes, scale, zero, spec) - rs[others]
             u[others] = -(err * 2.0**-k) if k else -err
             m1, m2 = expected_state(comp, m1, m2, u, others)
         assert_same(kw["m1"], m1, "m1 after the entry")
         assert_same(kw["m2"], m2, "m2 after the entry")
 
 
-ENTRY_CASES = list(itertools.product(DTYPES, BITS, POLICIES, (False, True), GROUP_SIZES))
+ENTRY_CASES = list(itertools.product(DTYPES, BITS, QUANTIZERS, (False, True), GROUP_SIZES))
 
 
-@pytest.mark.parametrize("dtype,bits,policy,rotation,g", ENTRY_CASES,
+@pytest.mark.parametrize("dtype,bits,quantizer,rotation,g", ENTRY_CASES,
                          ids=[f"{str(d)[6:]}-b{b}-{p}-rot{int(r)}-g{g}" for d, b, p, r, g in ENTRY_CASES])
-def test_push_quantize(ops, dtype, bits, policy, rotation, g):
-    i = ENTRY_CASES.index((dtype, bits, policy, rotation, g))
+def test_push_quantize(ops, dtype, bits, quantizer, rotation, g):
+    i = ENTRY_CASES.index((dtype, bits, quantizer, rotation, g))
     gen = torch.Generator(device=dev()).manual_seed(1000 + i)
     P = WORLD_SIZES[i % 4]
-    spec = QuantSpec(bits=bits, group_size=g, policy=policy, rotation=rotation)
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer, rotation=rotation)
     numel = P * g * (3 + i % 5) - (i * 37) % (P * g) + 1  # rarely a whole number of chunks
     entry_case(ops, P=P, rank=(i * 3) % P, dtype=dtype, spec=spec, numel=numel,
                comp_mode=("none", "state", "state")[i % 3], local=(i % 2 == 0), pow2=(i % 4 in (1, 2)),
                gen=gen, specials=(i % 3 == 2))
 
 
-PLAIN_CASES = list(itertools.product(DTYPES, BITS, POLICIES, GROUP_SIZES))
+PLAIN_CASES = list(itertools.product(DTYPES, BITS, QUANTIZERS, GROUP_SIZES))
 
 
-@pytest.mark.parametrize("dtype,bits,policy,g", PLAIN_CASES,
+@pytest.mark.parametrize("dtype,bits,quantizer,g", PLAIN_CASES,
                          ids=[f"{str(d)[6:]}-b{b}-{p}-g{g}" for d, b, p, g in PLAIN_CASES])
-def test_push_quantize_plain(ops, dtype, bits, policy, g):
+def test_push_quantize_plain(ops, dtype, bits, quantizer, g):
     """The plain entry (no compensation, rotation or residual: its own instantiation) for every dtype, bit
     width, quantizer and group size; non-finite and extreme groups where pow2 is off (a non-finite amax
     gives k = 0)."""
-    i = PLAIN_CASES.index((dtype, bits, policy, g))
+    i = PLAIN_CASES.index((dtype, bits, quantizer, g))
     gen = torch.Generator(device=dev()).manual_seed(3000 + i)
     P = WORLD_SIZES[i % 4]
-    spec = QuantSpec(bits=bits, group_size=g, policy=policy)
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
     numel = P * g * (40 + i % 5) - (i * 37) % (P * g) + 1  # a few blocks per segment, a ragged end
     entry_case(ops, P=P, rank=(i * 3) % P, dtype=dtype, spec=spec, numel=numel, comp_mode="none", local=False,
                pow2=(i % 2 == 1), gen=gen, specials=(i % 2 == 0))
@@ -280,7 +280,7 @@ def test_push_quantize_plain(ops, dtype, bits, policy, g):
 def test_push_quantize_sizes(ops, numel):
     gen = torch.Generator(device=dev()).manual_seed(numel)
     for n, (P, dtype, rot) in enumerate([(4, torch.bfloat16, True), (8, torch.float16, False), (2, torch.float32, True)]):
-        spec = QuantSpec(bits=4 if n != 1 else 8, group_size=128, policy="zero_aware", rotation=rot)
+        spec = QuantSpec(bits=4 if n != 1 else 8, group_size=128, quantizer="zero_aware", rotation=rot)
         entry_case(ops, P=P, rank=n % P, dtype=dtype, spec=spec, numel=numel, comp_mode=("state", "none", "state")[n],
                    local=n == 0, pow2=n == 2, gen=gen)
 
@@ -292,20 +292,20 @@ def test_unaligned_view(ops):
     spec = QuantSpec(bits=4, group_size=128)
     base = random_input(10_001, 128, torch.float16, gen)
     x = base[3:]
-    layout = C.Layout(x.numel(), 4, 128)
+    layout = A.Layout(x.numel(), 4, 128)
     rs = ref_rotated(x, layout, spec)
-    codes, scale, zero = C.quantize_segments(rs[1:], spec)
+    codes, scale, zero = A.quantize_segments(rs[1:], spec)
     packets = poison_packets(4, layout, spec, ops)
     ops.push_quantize(x, rank=0, world_size=4, spec=spec, out=ops.packet_table([None, *packets[1:]], layout, spec))
     for n in range(3):
         assert_packet(ops, packets[n + 1], layout, spec, codes[n], scale[n], zero[n], f"segment {n + 1}")
-    copies = [C.quantize_segments(random_groups(layout.groups_per_segment, 128, gen), spec) for _ in range(4)]
-    acc = C.ordered_sum(torch.stack([rs[0]] + [C.dequantize_segments(*c, spec) for c in copies[1:]]))
+    copies = [A.quantize_segments(random_groups(layout.groups_per_segment, 128, gen), spec) for _ in range(4)]
+    acc = A.ordered_sum(torch.stack([rs[0]] + [A.dequantize_segments(*c, spec) for c in copies[1:]]))
     inbuf = packets_holding(ops, layout, spec, copies)
     out = poison_packets(1, layout, spec, ops)
     ops.owner_reduce(x, rank=0, world_size=4, spec=spec, copies=ops.packet_table([None, *inbuf[1:]], layout, spec),
                      out=ops.packet_table([out[0], None, None, None], layout, spec))
-    assert_packet(ops, out[0], layout, spec, *C.quantize_segments(acc[None], spec), "reduced segment")
+    assert_packet(ops, out[0], layout, spec, *A.quantize_segments(acc[None], spec), "reduced segment")
 
 
 @pytest.mark.parametrize("rotation", [False, True], ids=["plain", "rotated"])
@@ -316,7 +316,7 @@ def test_push_quantize_tiles(ops, rotation):
     spec = QuantSpec(bits=4, group_size=64, rotation=rotation)
     x = random_input(50_000, 64, torch.bfloat16, gen)
     P, rank = 4, 2
-    layout = C.Layout(x.numel(), P, 64)
+    layout = A.Layout(x.numel(), P, 64)
     G = layout.groups_per_segment
     whole, tiled = poison_packets(P, layout, spec, ops), poison_packets(P, layout, spec, ops)
     ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
@@ -345,7 +345,7 @@ def test_pow2_amax(ops, dtype, rotation, comp_mode):
     g = 128
     spec = QuantSpec(bits=4, group_size=g, rotation=rotation)
     x = random_input(300_001, g, dtype, gen)
-    layout = C.Layout(x.numel(), 4, g)
+    layout = A.Layout(x.numel(), 4, g)
     r = ref_rotated(x, layout, spec)
     comp = make_comp()
     kw = {}
@@ -370,17 +370,17 @@ def owner_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, tile
     """The owner reduce against the reference: copies of random groups from the other ranks, the own
     segment formed from x (and the state), written to every other destination and to its own."""
     g = spec.group_size
-    layout = C.Layout(numel, P, g)
+    layout = A.Layout(numel, P, g)
     G, S = layout.groups_per_segment, layout.segment_numel
     x = random_input(numel, g, dtype, gen)
     if inf_own and rank * S + 3 * g < numel:  # a non-finite own group must give a NaN group
         x[rank * S + 2 * g + 3] = float("inf")
     rs, k, kw, before = ref_contribution(x, layout, spec, comp_mode, pow2, gen)
     update = local and before is not None
-    sent = [C.quantize_segments(random_groups(G, g, gen), spec) for _ in range(P)]
-    terms = torch.stack([rs[rank] if r == rank else C.dequantize_segments(*sent[r], spec) for r in range(P)])
-    acc = C.ordered_sum(terms)
-    codes, scale, zero = C.quantize_segments(acc[None], spec)
+    sent = [A.quantize_segments(random_groups(G, g, gen), spec) for _ in range(P)]
+    terms = torch.stack([rs[rank] if r == rank else A.dequantize_segments(*sent[r], spec) for r in range(P)])
+    acc = A.ordered_sum(terms)
+    codes, scale, zero = A.quantize_segments(acc[None], spec)
 
     inbuf = packets_holding(ops, layout, spec, sent)
     outbuf = poison_packets(P, layout, spec, ops)
@@ -401,21 +401,21 @@ def owner_case(ops, *, P, rank, dtype, spec, numel, comp_mode, local, pow2, tile
         comp, m1, m2 = before
         if update:  # residual "local", own share: the requantization error, folded into the own segment
             u = torch.zeros_like(rs)
-            err = C.dequantize_segments(codes, scale, zero, spec)[0] - acc
+            err = A.dequantize_segments(codes, scale, zero, spec)[0] - acc
             u[rank] = -(err * 2.0**-k) if k else -err
             m1, m2 = expected_state(comp, m1, m2, u, [rank])
         assert_same(kw["m1"], m1, "m1 after the owner reduce")
         assert_same(kw["m2"], m2, "m2 after the owner reduce")
 
 
-REDUCE_CASES = list(itertools.product(WORLD_SIZES, BITS, POLICIES, GROUP_SIZES))
+REDUCE_CASES = list(itertools.product(WORLD_SIZES, BITS, QUANTIZERS, GROUP_SIZES))
 
 
-@pytest.mark.parametrize("P,bits,policy,g", REDUCE_CASES, ids=[f"P{P}-b{b}-{p}-g{g}" for P, b, p, g in REDUCE_CASES])
-def test_owner_reduce(ops, P, bits, policy, g):
-    i = REDUCE_CASES.index((P, bits, policy, g))
+@pytest.mark.parametrize("P,bits,quantizer,g", REDUCE_CASES, ids=[f"P{P}-b{b}-{p}-g{g}" for P, b, p, g in REDUCE_CASES])
+def test_owner_reduce(ops, P, bits, quantizer, g):
+    i = REDUCE_CASES.index((P, bits, quantizer, g))
     gen = torch.Generator(device=dev()).manual_seed(2000 + i)
-    spec = QuantSpec(bits=bits, group_size=g, policy=policy, rotation=i % 4 >= 2)
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer, rotation=i % 4 >= 2)
     owner_case(ops, P=P, rank=i % P, dtype=DTYPES[i % 3], spec=spec,
                numel=P * g * (2 + i % 7) - (i * 53) % (P * g), comp_mode=("none", "state", "state")[i % 3],
                local=i % 2 == 1, pow2=i % 3 == 0, tiled=i % 4 == 1, inf_own=i % 5 == 0, gen=gen)
@@ -431,7 +431,7 @@ def test_owner_reduce_plain(ops, dtype, P, bits, g):
     for every dtype, world size, bit width and group size; the quantizer cycles."""
     i = REDUCE_PLAIN_CASES.index((dtype, P, bits, g))
     gen = torch.Generator(device=dev()).manual_seed(4000 + i)
-    spec = QuantSpec(bits=bits, group_size=g, policy=POLICIES[i % 3])
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=QUANTIZERS[i % 3])
     owner_case(ops, P=P, rank=(i * 5) % P, dtype=dtype, spec=spec,
                numel=P * g * (40 + i % 7) - (i * 53) % (P * g), comp_mode="none", local=False,
                pow2=i % 2 == 1, tiled=i % 4 == 3, inf_own=i % 5 == 0, gen=gen)
@@ -450,19 +450,19 @@ def test_dequantize(ops, dtype, bits, rotation, g):
     i = DEQ_CASES.index((dtype, bits, rotation, g))
     gen = torch.Generator(device=dev()).manual_seed(3000 + i)
     P = WORLD_SIZES[i % 4]
-    spec = QuantSpec(bits=bits, group_size=g, policy=POLICIES[i % 3], rotation=rotation)
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=QUANTIZERS[i % 3], rotation=rotation)
     numel = P * g * (1 + i % 6) - (i * 29) % (P * g) + 3
-    layout = C.Layout(numel, P, g)
+    layout = A.Layout(numel, P, g)
     G = layout.groups_per_segment
     vals = random_groups(P * G, g, gen).view(P, G, g)
     vals[0, 0, 1] = float("nan")
-    codes, scale, zero = C.quantize_segments(vals, spec)
+    codes, scale, zero = A.quantize_segments(vals, spec)
     amax = torch.tensor([float(3.0 ** (i % 7))], device=dev()) if i % 2 else None
     k = ref_pow2(amax)
-    s_hat = C.dequantize_segments(codes, scale, zero, spec)
+    s_hat = A.dequantize_segments(codes, scale, zero, spec)
     s_hat = s_hat * 2.0**-k if k else s_hat
     shape = (numel,) if i % 2 else (1, numel)
-    y_ref = C.from_segments(C.unrotate_if(s_hat, spec), layout, shape, dtype)
+    y_ref = A.from_segments(A.unrotate_if(s_hat, spec), layout, shape, dtype)
 
     buf = packets_holding(ops, layout, spec, list(zip(codes, scale, zero)))
     y = torch.full(shape, float("nan"), dtype=dtype, device=dev())
@@ -480,9 +480,9 @@ def test_dequantize_tiles_and_unaligned_output(ops, rotation):
     P, g = 4, 128
     spec = QuantSpec(bits=4, group_size=g, rotation=rotation)
     numel = 70_001
-    layout = C.Layout(numel, P, g)
+    layout = A.Layout(numel, P, g)
     G = layout.groups_per_segment
-    codes, scale, zero = C.quantize_segments(random_groups(P * G, g, gen).view(P, G, g), spec)
+    codes, scale, zero = A.quantize_segments(random_groups(P * G, g, gen).view(P, G, g), spec)
     buf = packets_holding(ops, layout, spec, list(zip(codes, scale, zero)))
     table = ops.packet_table(list(buf), layout, spec)
     whole = torch.full((numel,), float("nan"), dtype=torch.bfloat16, device=dev())
@@ -517,7 +517,7 @@ def test_dequantize_updates_output_residual(ops, dtype, bits, rotation, g):
     P = WORLD_SIZES[i % 4]
     spec = QuantSpec(bits=bits, group_size=g, rotation=rotation)
     numel = P * g * (2 + i % 5) - (i * 31) % (P * g)
-    layout = C.Layout(numel, P, g)
+    layout = A.Layout(numel, P, g)
     G = layout.groups_per_segment
     x = random_input(numel, g, dtype, gen)
     if i % 4 == 3:
@@ -527,12 +527,12 @@ def test_dequantize_updates_output_residual(ops, dtype, bits, rotation, g):
     m1, m2 = random_state(layout, gen), random_state(layout, gen)
     comp.m1, comp.m2 = m1.view(r.shape).clone(), m2.view(r.shape).clone()
     r = r + comp.correction(r.shape, r.device)
-    codes, scale, zero = C.quantize_segments(random_groups(P * G, g, gen).view(P, G, g), spec)
+    codes, scale, zero = A.quantize_segments(random_groups(P * G, g, gen).view(P, G, g), spec)
     amax = torch.tensor([123.0], device=dev()) if i % 2 else None
     k = ref_pow2(amax)
-    s_hat = C.dequantize_segments(codes, scale, zero, spec)
+    s_hat = A.dequantize_segments(codes, scale, zero, spec)
     s_hat = s_hat * 2.0**-k if k else s_hat
-    y_ref = C.from_segments(C.unrotate_if(s_hat, spec), layout, (numel,), dtype)
+    y_ref = A.from_segments(A.unrotate_if(s_hat, spec), layout, (numel,), dtype)
     e1, e2 = expected_state(comp, m1, m2, r - s_hat * reciprocal(P), list(range(P)))
 
     buf = packets_holding(ops, layout, spec, list(zip(codes, scale, zero)))
@@ -558,7 +558,7 @@ def kernel_all_reduce(ops, parts, spec, state, coeffs, residual, pow2):
     by the stages as the transport runs them (entry and owner reduce: "local"; dequantize: "output")."""
     P = parts.shape[0]
     x_shape = parts.shape[1:]
-    layout = C.Layout(parts[0].numel(), P, spec.group_size)
+    layout = A.Layout(parts[0].numel(), P, spec.group_size)
     comp_kw = [{} if state is None else dict(m1=state[i][0], m2=state[i][1], coeffs=coeffs) for i in range(P)]
     local = state is not None and residual == "local"
     amax = None
@@ -590,7 +590,7 @@ def kernel_all_reduce(ops, parts, spec, state, coeffs, residual, pow2):
 
 
 E2E_CASES = [
-    # P, dtype, bits, policy, rotation, g, residual, pow2, numel
+    # P, dtype, bits, quantizer, rotation, g, residual, pow2, numel
     (2, torch.bfloat16, 4, "zero_aware", False, 128, "output", False, 10_000),
     (4, torch.float16, 4, "zero_aware", True, 128, "output", True, 77_777),
     (4, torch.bfloat16, 4, "zero_aware", True, 128, "local", True, 131_072),
@@ -611,11 +611,11 @@ def test_all_reduce_matches_emulator(ops, case):
     is clean again and must be finite everywhere (a non-finite call poisons only itself)."""
     from echo_ds.emulate import emulated_echo_all_reduce
 
-    P, dtype, bits, policy, rotation, g, residual, pow2, numel = case
+    P, dtype, bits, quantizer, rotation, g, residual, pow2, numel = case
     gen = torch.Generator(device=dev()).manual_seed(numel)
-    spec = QuantSpec(bits=bits, group_size=g, policy=policy, rotation=rotation)
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer, rotation=rotation)
     comp = make_comp(residual=residual) if residual else None
-    layout = C.Layout(numel, P, g)
+    layout = A.Layout(numel, P, g)
     state = None
     if comp is not None:
         from echo_ds.compensator import kStateDtype
@@ -646,14 +646,14 @@ def test_all_reduce_matches_emulator(ops, case):
             assert bool(torch.isfinite(ys[0].float()).all()), "a clean call after a non-finite one is finite"
 
 
-@pytest.mark.parametrize("policy", ["zero_aware", "symmetric"])
+@pytest.mark.parametrize("quantizer", ["zero_aware", "symmetric"])
 @pytest.mark.parametrize("rotation", [False, True])
-def test_fp16_sum_at_the_range_edge_saturates(ops, policy, rotation):
+def test_fp16_sum_at_the_range_edge_saturates(ops, quantizer, rotation):
     """Two fp16 ranks at 32736: the codes carry the sum past 65504 (up to 82358 before the cast), and the
-    dequantize saturates to 65504 as collective.from_segments does: bitwise the emulator's, all finite."""
+    dequantize saturates to 65504 as algorithm.from_segments does: bitwise the emulator's, all finite."""
     from echo_ds.emulate import emulated_echo_all_reduce
 
-    spec = QuantSpec(bits=4, group_size=128, policy=policy, rotation=rotation)
+    spec = QuantSpec(bits=4, group_size=128, quantizer=quantizer, rotation=rotation)
     parts = torch.full((2, 4096), 32736.0, dtype=torch.float16, device=dev())
     parts[1, ::3] = 32700
     y_ref = emulated_echo_all_reduce(parts, spec)
@@ -670,20 +670,20 @@ def test_fp16_sum_at_the_range_edge_saturates(ops, policy, rotation):
 def test_one_gigabyte(ops):
     gen = torch.Generator(device=dev()).manual_seed(1 << 30)
     P, g = 4, 128
-    spec = QuantSpec(bits=4, group_size=g, policy="zero_aware")
+    spec = QuantSpec(bits=4, group_size=g, quantizer="zero_aware")
     numel = (1 << 29) - 5  # 1 GB of fp16, a length that needs padding
     x = (torch.randn(numel, generator=gen, device=dev()) * 3.0).to(torch.float16)
-    layout = C.Layout(numel, P, g)
+    layout = A.Layout(numel, P, g)
     rank = 1
     packets = poison_packets(P, layout, spec, ops)
     ops.push_quantize(x, rank=rank, world_size=P, spec=spec,
                       out=ops.packet_table([None if j == rank else packets[j] for j in range(P)], layout, spec))
     torch.cuda.synchronize()
-    segs = C.to_segments(x.reshape(1, -1), layout)[0]
+    segs = A.to_segments(x.reshape(1, -1), layout)[0]
     for j in range(P):
         if j == rank:
             continue
-        codes, scale, zero = C.quantize_segments(segs[j], spec)
+        codes, scale, zero = A.quantize_segments(segs[j], spec)
         assert_packet(ops, packets[j], layout, spec, codes, scale, zero, f"segment {j}")
         del codes, scale, zero
     # Owner reduce of segment `rank` with the other ranks' copies taken as this rank's own codes of other
@@ -692,11 +692,11 @@ def test_one_gigabyte(ops):
     gathered = poison_packets(P, layout, spec, ops)
     ops.owner_reduce(x, rank=rank, world_size=P, spec=spec, copies=ops.packet_table(copies, layout, spec),
                      out=ops.packet_table([gathered[rank] if d == rank else None for d in range(P)], layout, spec))
-    terms = torch.stack([segs[rank] if r == rank else C.dequantize_segments(*ops.packet_views(packets[r], layout, spec), spec)
+    terms = torch.stack([segs[rank] if r == rank else A.dequantize_segments(*ops.packet_views(packets[r], layout, spec), spec)
                          for r in range(P)])
-    acc = C.ordered_sum(terms)
+    acc = A.ordered_sum(terms)
     del terms
-    codes, scale, zero = C.quantize_segments(acc, spec)
+    codes, scale, zero = A.quantize_segments(acc, spec)
     torch.cuda.synchronize()
     assert_packet(ops, gathered[rank], layout, spec, codes, scale, zero, "reduced segment")
     del acc, codes, scale, zero
@@ -705,15 +705,15 @@ def test_one_gigabyte(ops):
             gathered[j].copy_(packets[j])
     y = torch.full((numel,), float("nan"), dtype=torch.float16, device=dev())
     ops.dequantize(y, world_size=P, spec=spec, gathered=ops.packet_table(list(gathered), layout, spec))
-    s_hat = torch.stack([C.dequantize_segments(*ops.packet_views(gathered[j], layout, spec), spec) for j in range(P)])
+    s_hat = torch.stack([A.dequantize_segments(*ops.packet_views(gathered[j], layout, spec), spec) for j in range(P)])
     torch.cuda.synchronize()
-    assert_same(y, C.from_segments(s_hat, layout, (numel,), torch.float16), "y")
+    assert_same(y, A.from_segments(s_hat, layout, (numel,), torch.float16), "y")
 
 
 def test_unsupported_world_size_raises(ops):
     spec = QuantSpec(bits=4, group_size=128)
     x = torch.randn(1000, device=dev())
-    layout = C.Layout(x.numel(), 5, 128)
+    layout = A.Layout(x.numel(), 5, 128)
     packets = ops.alloc_packets(5, layout, spec, dev())
     with pytest.raises(RuntimeError, match="unsupported world size 5"):
         ops.push_quantize(x, rank=0, world_size=5, spec=spec, out=ops.packet_table([None, *packets[1:]], layout, spec))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from echo_ds import collective as C
+from echo_ds import algorithm as A
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import protocol as proto
 from echo_ds.p2p.stages import pow2_factors
@@ -95,7 +95,7 @@ def test_tiling_covers_each_segment_once_in_aligned_tiles(P):
     for numel, bits, g, tile_bytes in itertools.product((1, 1000, 123_457, 4_000_001), (4, 8), (16, 128, 4096),
                                                         (0, 4096, 1 << 20)):
         t = L.make_tiling(numel, P, bits, g, tile_bytes, cap)
-        layout = C.Layout(numel, P, g)
+        layout = A.Layout(numel, P, g)
         assert t.groups_per_segment == layout.groups_per_segment
         assert 1 <= t.num_tiles <= L.kMaxTiles
         ranges = [t.tile(i) for i in range(t.num_tiles)]
@@ -162,7 +162,7 @@ def test_pow2_factors_match_the_reference_exponent():
     values += (torch.rand(200, generator=gen) * 10 ** torch.randint(-40, 38, (200,), generator=gen).float()).tolist()
     for v in values:
         a = torch.tensor(v, dtype=torch.float32)
-        k = C.pow2_exponent(a.abs() if not math.isnan(v) else a)
+        k = A.pow2_exponent(a.abs() if not math.isnan(v) else a)
         up, down = pow2_factors(a.abs() if not math.isnan(v) else a)
         assert up.item() == 2.0**k and down.item() == 2.0**-k, (v, k, up.item())
 

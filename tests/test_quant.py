@@ -21,12 +21,12 @@ def activations(num_groups, g, seed):
     return torch.where(outliers, x * 20, x)
 
 
-@pytest.mark.parametrize("policy", Q.POLICIES)
+@pytest.mark.parametrize("quantizer", Q.QUANTIZERS)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("g", (16, 64, 128, 256))
-def test_error_within_step_bound(policy, bits, g):
+def test_error_within_step_bound(quantizer, bits, g):
     x = activations(300, g, seed=bits * 1000 + g)
-    q = Q.quantize(x, bits, g, policy)
+    q = Q.quantize(x, bits, g, quantizer)
     err = (Q.dequantize(q) - x).abs()
     bound = Q.step_bound(q)[:, None]
     assert torch.all(err <= bound), f"max err/bound {(err / bound).max():.6f}"
@@ -35,11 +35,11 @@ def test_error_within_step_bound(policy, bits, g):
 
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("policy", ("zero_aware", "symmetric"))
-def test_zero_is_exact(policy, bits):
+@pytest.mark.parametrize("quantizer", ("zero_aware", "symmetric"))
+def test_zero_is_exact(quantizer, bits):
     x = activations(200, 128, seed=7)
     x[:, ::5] = 0.0
-    y = Q.fake_quantize(x, bits, 128, policy)
+    y = Q.fake_quantize(x, bits, 128, quantizer)
     assert torch.all(y[:, ::5] == 0)
 
 
@@ -89,28 +89,28 @@ def test_zero_aware_is_continuous_across_zero(sign):
 
 def test_zero_aware_beats_naive_on_peaked_data():
     x = activations(500, 128, seed=11)
-    mse = {p: (Q.fake_quantize(x, 4, 128, p) - x).pow(2).mean().item() for p in Q.POLICIES}
+    mse = {p: (Q.fake_quantize(x, 4, 128, p) - x).pow(2).mean().item() for p in Q.QUANTIZERS}
     assert mse["zero_aware"] < mse["naive"]
 
 
-def reference_encode(x, scale, zero, bits, policy):
+def reference_encode(x, scale, zero, bits, quantizer):
     """Codes recomputed from the stored fp16 parameters, element by element in double-checked fp32."""
     s = scale.float()[:, None]
     z = zero.float()[:, None]
     t = (x * (1.0 / s)) + z
-    q_min = 1 if policy == "symmetric" else 0
+    q_min = 1 if quantizer == "symmetric" else 0
     return torch.clamp(torch.round(t), q_min, 2**bits - 1).to(torch.uint8)
 
 
-@pytest.mark.parametrize("policy", Q.POLICIES)
+@pytest.mark.parametrize("quantizer", Q.QUANTIZERS)
 @pytest.mark.parametrize("bits", BITS)
-def test_codes_follow_the_stored_fp16_parameters(policy, bits):
+def test_codes_follow_the_stored_fp16_parameters(quantizer, bits):
     x = activations(100, 64, seed=5)
-    q = Q.quantize(x, bits, 64, policy)
+    q = Q.quantize(x, bits, 64, quantizer)
     assert q.scale.dtype == torch.float16 and q.zero.dtype == torch.float16
-    assert torch.equal(Q.unpack(q.codes, bits), reference_encode(x, q.scale, q.zero, bits, policy))
+    assert torch.equal(Q.unpack(q.codes, bits), reference_encode(x, q.scale, q.zero, bits, quantizer))
     # Same input, same bits, any batching: a group's parameters depend on that group alone.
-    q_half = Q.quantize(x[50:], bits, 64, policy)
+    q_half = Q.quantize(x[50:], bits, 64, quantizer)
     assert torch.equal(q_half.codes, q.codes[50:]) and torch.equal(q_half.scale, q.scale[50:])
 
 
@@ -124,9 +124,9 @@ def test_pack_round_trip(bits):
         assert torch.equal(packed[:, 0] & 0xF, q[:, 0]) and torch.equal(packed[:, 0] >> 4, q[:, 1])
 
 
-@pytest.mark.parametrize("policy", Q.POLICIES)
+@pytest.mark.parametrize("quantizer", Q.QUANTIZERS)
 @pytest.mark.parametrize("bits", BITS)
-def test_edge_groups(policy, bits):
+def test_edge_groups(quantizer, bits):
     g = 64
     rows = [
         torch.zeros(g),                                   # all zero
@@ -139,7 +139,7 @@ def test_edge_groups(policy, bits):
         torch.linspace(-1e-30, 1.0, g),                   # straddles zero by a hair
     ]
     x = torch.stack(rows)
-    q = Q.quantize(x, bits, g, policy)
+    q = Q.quantize(x, bits, g, quantizer)
     y = Q.dequantize(q)
     assert torch.isfinite(y).all() and torch.isfinite(q.scale.float()).all()
     assert (q.scale.float() > 0).all(), "a scale underflowed to zero"
@@ -162,12 +162,12 @@ def test_saturates_instead_of_inf():
     assert y[0, 1] == 65504 * 7
 
 
-@pytest.mark.parametrize("policy", Q.POLICIES)
+@pytest.mark.parametrize("quantizer", Q.QUANTIZERS)
 @pytest.mark.parametrize("bad", (float("nan"), float("inf"), float("-inf")))
-def test_non_finite_propagates_to_its_group_only(policy, bad):
+def test_non_finite_propagates_to_its_group_only(quantizer, bad):
     x = activations(4, 32, seed=1)
     x[2, 7] = bad
-    y = Q.fake_quantize(x, 4, 32, policy)
+    y = Q.fake_quantize(x, 4, 32, quantizer)
     assert torch.isnan(y[2]).all()
     assert torch.isfinite(y[[0, 1, 3]]).all()
 
@@ -198,7 +198,7 @@ def test_bad_arguments():
         Q.quantize(torch.randn(10), 3)
     with pytest.raises(ValueError, match="group_size"):
         Q.quantize(torch.randn(10), 4, 100)
-    with pytest.raises(ValueError, match="policy"):
+    with pytest.raises(ValueError, match="quantizer"):
         Q.quantize(torch.randn(10), 4, 128, "log")
     with pytest.raises(TypeError):
         Q.quantize(torch.arange(10), 4, 128)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from echo_ds import collective as C
+from echo_ds import algorithm as A
 from echo_ds.compensator import make_compensator
 from echo_ds.config import DirectionConfig, EchoConfig
 from echo_ds.emulate import emulated_echo_all_reduce
@@ -35,15 +35,15 @@ def below(v: float) -> torch.Tensor:
 
 
 def test_auto_exponent_window():
-    lo, hi = C.kAutoLow, C.kAutoHigh
+    lo, hi = A.kAutoLow, A.kAutoHigh
     for a in (torch.tensor(lo), torch.tensor(1.0), torch.tensor(3.0e4), below(hi)):
-        assert C.pow2_exponent(a, "auto") == 0, a
+        assert A.pow2_exponent(a, "auto") == 0, a
     for a in (below(lo), torch.tensor(1e-9), torch.tensor(hi), torch.tensor(1e6), torch.tensor(3e38)):
-        k = C.pow2_exponent(a, True)
-        assert k != 0 and C.pow2_exponent(a, "auto") == k, a
+        k = A.pow2_exponent(a, True)
+        assert k != 0 and A.pow2_exponent(a, "auto") == k, a
     for a in (0.0, math.inf, math.nan):
-        assert C.pow2_exponent(torch.tensor(a), "auto") == 0
-    assert C.pow2_exponent(torch.tensor(1e6), False) == 0
+        assert A.pow2_exponent(torch.tensor(a), "auto") == 0
+    assert A.pow2_exponent(torch.tensor(1e6), False) == 0
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)

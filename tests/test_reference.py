@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from echo_ds import collective as C
+from echo_ds import algorithm as A
 from echo_ds import quant as Q
 from echo_ds.compensator import make_compensator
 from echo_ds.config import DirectionConfig, EchoConfig
@@ -21,8 +21,8 @@ NUM_CALLS = 3
 def cases():
     """(name, spec, direction config or None, pow2, dtype, shape): one spawn runs them all."""
     out = []
-    for policy in Q.POLICIES:
-        out.append((f"{policy}-4", QuantSpec(4, 64, policy), None, False, torch.float32, (5, 77)))
+    for quantizer in Q.QUANTIZERS:
+        out.append((f"{quantizer}-4", QuantSpec(4, 64, quantizer), None, False, torch.float32, (5, 77)))
     out += [
         ("8bit-bf16", QuantSpec(8, 128), None, False, torch.bfloat16, (3, 200)),
         ("fp16-tiny", QuantSpec(4, 16), None, False, torch.float16, (3,)),
@@ -91,8 +91,8 @@ def owner_side_bound(parts, spec):
     owner's sum costs the step bound of its requantization.
     """
     P = parts.shape[0]
-    layout = C.Layout(parts[0].numel(), P, spec.group_size)
-    seg = C.to_segments(parts, layout)  # [P rank, P segment, G, g]
+    layout = A.Layout(parts[0].numel(), P, spec.group_size)
+    seg = A.to_segments(parts, layout)  # [P rank, P segment, G, g]
     total = torch.zeros(P, layout.groups_per_segment)
     acc = torch.zeros(P, layout.groups_per_segment, spec.group_size)
     for r in range(P):
@@ -101,20 +101,20 @@ def owner_side_bound(parts, spec):
             if r == j:
                 acc[j] += block
                 continue
-            q = Q.quantize(block, spec.bits, spec.group_size, spec.policy)
+            q = Q.quantize(block, spec.bits, spec.group_size, spec.quantizer)
             total[j] += Q.step_bound(q).view(-1)
             acc[j] += Q.dequantize(q).view_as(block)
     for j in range(P):
-        total[j] += Q.step_bound(Q.quantize(acc[j], spec.bits, spec.group_size, spec.policy)).view(-1)
+        total[j] += Q.step_bound(Q.quantize(acc[j], spec.bits, spec.group_size, spec.quantizer)).view(-1)
     per_element = total[..., None].expand(-1, -1, spec.group_size)
-    return C.from_segments(per_element, layout, parts.shape[1:], torch.float32)
+    return A.from_segments(per_element, layout, parts.shape[1:], torch.float32)
 
 
-@pytest.mark.parametrize("policy", Q.POLICIES)
+@pytest.mark.parametrize("quantizer", Q.QUANTIZERS)
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("P", (2, 3, 4, 8))
-def test_error_within_the_bound_of_two_roundings(policy, bits, P):
-    spec = QuantSpec(bits, 64, policy)
+def test_error_within_the_bound_of_two_roundings(quantizer, bits, P):
+    spec = QuantSpec(bits, 64, quantizer)
     parts = torch.randn(P, 999) * torch.rand(P, 1) * 3
     y = emulated_echo_all_reduce(parts, spec)
     err = (y - parts.sum(0)).abs()
@@ -186,7 +186,7 @@ def theorem_run(cfg, partials, num_calls):
     max_S = max_q = max_m = 0.0
     for k in range(num_calls):
         parts = partials(k)
-        shape = C.to_segments(parts, C.Layout(parts[0].numel(), P, cfg.group_size)).shape
+        shape = A.to_segments(parts, A.Layout(parts[0].numel(), P, cfg.group_size)).shape
         c = op.compensator.correction(shape, parts.device).sum(0).reshape(-1)[: parts[0].numel()] \
             if op.compensator is not None else torch.zeros(parts[0].numel())
         y = op(parts).reshape(-1)
@@ -265,7 +265,7 @@ def test_reset_and_resize():
     assert op.compensator.m1 is None and op.compensator.num_calls == 0
     op(torch.randn(2, 300))
     op(torch.randn(2, 5000))  # a different message size restarts the state at the new size
-    assert op.compensator.num_resizes == 1 and op.compensator.m1.numel() == 2 * C.Layout(5000, 2, 128).padded_numel
+    assert op.compensator.num_resizes == 1 and op.compensator.m1.numel() == 2 * A.Layout(5000, 2, 128).padded_numel
 
 
 def test_telemetry_records_the_revealed_error():
@@ -288,7 +288,7 @@ def test_non_finite_inputs_propagate():
 def test_output_saturates_to_the_dtype_range():
     """Finite in, finite out: a finite fp32 result beyond a 16-bit dtype's range saturates to its largest
     finite value (a plain cast rounds 65520 and above to inf); NaN, infinities and -0.0 pass unchanged."""
-    layout = C.Layout(6, 2, 16)
+    layout = A.Layout(6, 2, 16)
     # (values a plain cast turns into +-inf, in fp32) per dtype
     beyond = {torch.float16: (7e4, -65520.0), torch.bfloat16: (3.4e38, -3.4e38)}
     for dtype, (hi, lo) in beyond.items():
@@ -296,22 +296,22 @@ def test_output_saturates_to_the_dtype_range():
         seg[:6] = torch.tensor([hi, lo, float("inf"), float("nan"), -0.0, 1.5])
         assert torch.isinf(seg[:2].to(dtype).float()).all()  # what the cast alone gives
         big = torch.finfo(dtype).max
-        y = C.from_segments(seg.view(2, layout.groups_per_segment, 16), layout, (6,), dtype).float()
+        y = A.from_segments(seg.view(2, layout.groups_per_segment, 16), layout, (6,), dtype).float()
         assert y[0].item() == big and y[1].item() == -big, (dtype, y)
         assert y[2].item() == float("inf") and bool(torch.isnan(y[3])), (dtype, y)
         assert str(y[4].item()) == "-0.0" and y[5].item() == 1.5, (dtype, y)
     seg = torch.zeros(layout.padded_numel)
     seg[0] = 7e4
-    assert C.from_segments(seg.view(2, -1, 16), layout, (6,), torch.float32)[0].item() == 7e4  # fp32 untouched
+    assert A.from_segments(seg.view(2, -1, 16), layout, (6,), torch.float32)[0].item() == 7e4  # fp32 untouched
 
 
-@pytest.mark.parametrize("policy", ["zero_aware", "symmetric"])
-def test_fp16_sum_at_the_range_edge_stays_finite(policy):
+@pytest.mark.parametrize("quantizer", ["zero_aware", "symmetric"])
+def test_fp16_sum_at_the_range_edge_stays_finite(quantizer):
     """Two fp16 ranks at 32736 (exact sum 65472): the rotated 4-bit codes carry the sum past 65504 (82358
     before saturation with the zero-aware quantizer), which used to come back as inf."""
     from echo_ds.emulate import emulated_echo_all_reduce
 
     parts = torch.full((2, 4096), 32736.0, dtype=torch.float16)
     parts[1, ::3] = 32700
-    y = emulated_echo_all_reduce(parts, QuantSpec(4, 128, policy=policy, rotation=True)).float()
+    y = emulated_echo_all_reduce(parts, QuantSpec(4, 128, quantizer=quantizer, rotation=True)).float()
     assert bool(torch.isfinite(y).all()) and y.abs().max().item() <= 65504.0

@@ -15,7 +15,7 @@ from typing import Optional
 
 from echo_ds.ops.kernels import (  # noqa: F401
     ONE_LAUNCH_WORLD_SIZES,
-    POLICY_CODES,
+    QUANTIZER_CODES,
     STAGED_WORLD_SIZES,
     SUPPORTED_DTYPES,
     SUPPORTED_GROUP_SIZES,

@@ -4,7 +4,7 @@ Every function writes into tensors the caller passes (they may be views of a pee
 CUDA IPC); none allocates an output. They run on the current stream of the tensors' device (use
 ``torch.cuda.stream(s)`` for a side stream) and return nothing.
 
-Shapes, for n = x.numel() elements on P ranks with group size g (echo_ds.collective.Layout):
+Shapes, for n = x.numel() elements on P ranks with group size g (echo_ds.algorithm.Layout):
     G = groups_per_segment, S = G * g (segment), padded = P * S.
 A *segment table* is a :class:`SegmentTable` of P entries (codes uint8 [>= G * g * bits / 8],
 scales float16 [>= G], zeros float16 [>= G]), any entry may be None where the stage neither reads nor
@@ -24,10 +24,10 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 
 from echo_ds import quant as Q
-from echo_ds.collective import Layout
+from echo_ds.algorithm import Layout
 from echo_ds.quant import QuantSpec
 
-POLICY_CODES = {"zero_aware": 0, "symmetric": 1, "naive": 2}
+QUANTIZER_CODES = {"zero_aware": 0, "symmetric": 1, "naive": 2}
 # World sizes the kernels are instantiated for (the reference path takes any P). The staged kernels
 # (push_quantize, owner_reduce, dequantize, pow2_amax: ECHO_DISPATCH_WORLD_SIZE in csrc/echo_common.cuh)
 # take P = 3 as well; the one-launch p2p kernel (csrc/p2p_all_reduce.cuh, P2PRuntime in
@@ -117,12 +117,12 @@ class SegmentTable(NamedTuple):
 
 
 def code_bytes(spec: QuantSpec) -> int:
-    return spec.group_size * spec.bits // 8
+    return Q.group_code_bytes(spec.bits, spec.group_size)
 
 
 def packet_bytes(layout: Layout, spec: QuantSpec) -> int:
-    """Bytes of one segment's packet: G * (g b / 8 + 4)."""
-    return layout.groups_per_segment * (code_bytes(spec) + 4)
+    """Bytes of one segment's packet: G * quant.group_wire_bytes (codes, fp16 scales and zero-points)."""
+    return layout.groups_per_segment * Q.group_wire_bytes(spec.bits, spec.group_size)
 
 
 def packet_stride(layout: Layout, spec: QuantSpec) -> int:
@@ -221,7 +221,7 @@ def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpe
     m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(x.device):
         ops.push_quantize(x, m1, m2, *_table_args(out, world_size, x.device), bool(update_state), pow2_amax,
-                          rank, world_size, spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn,
+                          rank, world_size, spec.group_size, spec.bits, QUANTIZER_CODES[spec.quantizer], hs, hn,
                           k, group_begin, -1 if num_groups is None else num_groups, _stream(x.device))
 
 
@@ -243,7 +243,7 @@ def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec
     with torch.cuda.device(x.device):
         ops.owner_reduce(x, m1, m2, *_table_args(copies, world_size, x.device),
                          *_table_args(out, world_size, x.device), bool(update_state), pow2_amax, rank, world_size,
-                         spec.group_size, spec.bits, POLICY_CODES[spec.policy], hs, hn, k, group_begin,
+                         spec.group_size, spec.bits, QUANTIZER_CODES[spec.quantizer], hs, hn, k, group_begin,
                          -1 if num_groups is None else num_groups, _stream(x.device))
 
 

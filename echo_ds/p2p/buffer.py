@@ -48,7 +48,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from echo_ds import collective as C
+from echo_ds import algorithm as A
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import policy
 from echo_ds.p2p import protocol as proto
@@ -453,7 +453,7 @@ class EchoBuffer:
         if not x.is_floating_point():
             raise TypeError(f"all_reduce expects a floating-point tensor, got {x.dtype}")
         check_differentiable_input(x, "EchoBuffer.all_reduce")
-        C.check_pow2_mode(pow2_rescale, "EchoBuffer.all_reduce")
+        A.check_pow2_mode(pow2_rescale, "EchoBuffer.all_reduce")
         if self.closed:
             raise proto.EchoP2PError("echo p2p: all_reduce on a closed EchoBuffer")
         if self.world_size == 1:
@@ -506,15 +506,15 @@ class EchoBuffer:
         residual = "none" if compensator is None else compensator.residual
         descriptor = proto.call_descriptor(
             numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
-            quantizer=spec.policy, rotation=spec.rotation, pow2=pow2, residual=residual, site=site,
+            quantizer=spec.quantizer, rotation=spec.rotation, pow2=pow2, residual=residual, site=site,
             direction=direction)
-        layout = C.Layout(x.numel(), self.world_size, spec.group_size)
+        layout = A.Layout(x.numel(), self.world_size, spec.group_size)
         state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
         return (state_shape, proto.DESCRIPTOR_RESIDUALS.index(residual), spec.group_size, spec.bits,
-                K.POLICY_CODES[spec.policy], signs, norm, descriptor, C.pow2_code(pow2))
+                K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor, A.pow2_code(pow2))
 
     def _one_launch(self, x, plan, compensator):
-        state_shape, residual, g, bits, policy_code, signs, norm, descriptor, pow2 = plan
+        state_shape, residual, g, bits, quantizer_code, signs, norm, descriptor, pow2 = plan
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -524,14 +524,14 @@ class EchoBuffer:
             os._exit(17)  # tests: a rank dies in the middle of the group's call (its peers wait for it)
         stream = _raw_stream(self.device)
         if compensator is None:
-            self._runtime.all_reduce(x, y, None, None, [], 0, pow2, g, bits, policy_code, signs, norm, descriptor,
+            self._runtime.all_reduce(x, y, None, None, [], 0, pow2, g, bits, quantizer_code, signs, norm, descriptor,
                                      stream)
             return y
         c = compensator
         c._ensure(state_shape, self.device)
         coeffs = [c.gain, c.blend, c.one_minus_blend, c.slow_decay, c.one_minus_slow, c.fast_decay,
                   c.one_minus_fast]
-        self._runtime.all_reduce(x, y, c.m1, c.m2, coeffs, residual, pow2, g, bits, policy_code, signs, norm,
+        self._runtime.all_reduce(x, y, c.m1, c.m2, coeffs, residual, pow2, g, bits, quantizer_code, signs, norm,
                                  descriptor, stream)
         c.num_calls += 1  # as Compensator.update does; the kernel updated the state
         return y
@@ -552,7 +552,7 @@ class EchoBuffer:
             return "torch"
         return "kernels"
 
-    def _schedule(self, x: torch.Tensor, spec: QuantSpec, layout: C.Layout, caller) -> Schedule:
+    def _schedule(self, x: torch.Tensor, spec: QuantSpec, layout: A.Layout, caller) -> Schedule:
         kind = self._stages_for(x, spec)
         key = (schedule_key(x.dtype, spec, layout), kind)
         sched = self._schedules.get(key)
@@ -587,7 +587,7 @@ class EchoBuffer:
         cuda = t.kind == "cuda"
         capturing = cuda and torch.cuda.is_current_stream_capturing()
         caller = torch.cuda.current_stream(self.device) if cuda else None
-        layout = C.Layout(x.numel(), self.world_size, spec.group_size)
+        layout = A.Layout(x.numel(), self.world_size, spec.group_size)
         if not x.is_contiguous():
             x = x.contiguous()
         if compensator is not None:

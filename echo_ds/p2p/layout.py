@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Tuple
 
-from echo_ds.collective import Layout
+from echo_ds import quant as Q
+from echo_ds.algorithm import Layout
 from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE
 
 kMaxWorld = 8
@@ -162,7 +163,7 @@ class Capacity:
 
     @property
     def param_bytes(self) -> int:
-        return 2 * self.world_size * _round_up(4 * self.max_segment_groups, kSlotAlignBytes)
+        return 2 * self.world_size * _round_up(Q.kParamBytesPerGroup * self.max_segment_groups, kSlotAlignBytes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -173,8 +174,9 @@ class Capacity:
 class Tiling:
     """Slots and tiles of a call whose segments hold ``groups_per_segment`` groups.
 
-    code_bytes_per_group: g * b / 8. A tile carries ``tile_groups`` groups of every segment (the last
-    one fewer), so one put moves tile_groups * (code_bytes_per_group + 4) bytes to each peer.
+    code_bytes_per_group: g * b / 8 (quant.group_code_bytes). A tile carries ``tile_groups`` groups of every
+    segment (the last one fewer), so one put moves tile_groups * quant.group_wire_bytes bytes (codes and
+    fp16 parameters) to each peer.
     code_half_bytes, param_half_bytes: where the gather halves of the two buffers start (fixed by the
     workspace's capacity, not by this call).
     """
@@ -203,7 +205,7 @@ class Tiling:
 
     @property
     def param_stride(self) -> int:
-        return _round_up(4 * self.groups_per_segment, kSlotAlignBytes)
+        return _round_up(Q.kParamBytesPerGroup * self.groups_per_segment, kSlotAlignBytes)
 
     # Slots are numbered 0 .. P-1 (push half) and P .. 2P-1 (gather half).
     def push_slot(self, src: int) -> int:
@@ -248,7 +250,7 @@ def choose_tile_groups(groups_per_segment: int, code_bytes_per_group: int, tile_
     of kTileGroupQuantum, and no more than kMaxTiles tiles per segment."""
     if tile_bytes <= 0:
         return max(groups_per_segment, 1)
-    wire_per_group = code_bytes_per_group + 4
+    wire_per_group = code_bytes_per_group + Q.kParamBytesPerGroup
     groups = max(kTileGroupQuantum, (tile_bytes // wire_per_group) // kTileGroupQuantum * kTileGroupQuantum)
     fewest = _round_up(-(-groups_per_segment // kMaxTiles), kTileGroupQuantum)
     return max(1, min(max(groups, fewest), max(groups_per_segment, 1)))
@@ -256,11 +258,11 @@ def choose_tile_groups(groups_per_segment: int, code_bytes_per_group: int, tile_
 
 def make_tiling(numel: int, world_size: int, bits: int, group_size: int, tile_bytes: int,
                 capacity: Capacity) -> Tiling:
-    """The tiling of a call of ``numel`` elements (the segmentation of echo_ds.collective.Layout) in a
+    """The tiling of a call of ``numel`` elements (the segmentation of echo_ds.algorithm.Layout) in a
     workspace of ``capacity``."""
     layout = Layout(numel, world_size, group_size)
     G = layout.groups_per_segment
-    cb = group_size * bits // 8
+    cb = Q.group_code_bytes(bits, group_size)
     return Tiling(world_size, G, cb, choose_tile_groups(G, cb, tile_bytes), capacity.code_bytes // 2,
                   capacity.param_bytes // 2)
 
@@ -269,7 +271,7 @@ def wire_bytes_per_rank(numel: int, world_size: int, bits: int, group_size: int)
     """Bytes one rank sends in a call: (P - 1) segments on push and P - 1 copies of its reduced segment
     on gather (the busbw of the benchmark counts these)."""
     layout = Layout(numel, world_size, group_size)
-    seg = layout.groups_per_segment * (group_size * bits // 8 + 4)
+    seg = layout.groups_per_segment * Q.group_wire_bytes(bits, group_size)
     return 2 * (world_size - 1) * seg
 
 

@@ -53,7 +53,7 @@ DESCRIPTOR_DTYPES = ("float32", "float16", "bfloat16")
 DESCRIPTOR_GROUP_SIZES = (64, 128, 256)
 DESCRIPTOR_QUANTIZERS = ("zero_aware", "symmetric", "naive")
 DESCRIPTOR_RESIDUALS = ("none", "local", "output")
-DESCRIPTOR_POW2 = (False, True, "auto")  # echo_ds.collective.POW2_MODES, by code
+DESCRIPTOR_POW2 = (False, True, "auto")  # echo_ds.algorithm.POW2_MODES, by code
 kNumelHashBits = 20
 
 

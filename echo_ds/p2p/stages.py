@@ -14,7 +14,7 @@ stream):
     its owners' push slots, owner_reduce writes the reduced tile straight into every peer's gather
     slot; the transport only adds the flags (echo_p2p_signal_kernel) and the waits.
 ``TorchSchedule``
-    The very functions of echo_ds.collective, per tile, in the order of echo_ds.reference; the codes are
+    The very functions of echo_ds.algorithm, per tile, in the order of echo_ds.reference; the codes are
     staged locally and moved by echo_p2p_put_kernel, which publishes the flag after the data. The
     fallback where the kernels are not built or do not support a configuration (group sizes outside
     64..256), and the CPU tests' stages.
@@ -30,7 +30,7 @@ from typing import Tuple
 
 import torch
 
-from echo_ds import collective as C
+from echo_ds import algorithm as A
 from echo_ds import quant as Q
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import protocol as proto
@@ -41,14 +41,14 @@ from echo_ds.quant import QuantSpec
 class ScheduleKey:
     dtype: torch.dtype
     bits: int
-    policy: str
+    quantizer: str
     group_size: int
     rotation: bool
     segment_numel: int
 
 
-def schedule_key(dtype: torch.dtype, spec: QuantSpec, layout: C.Layout) -> ScheduleKey:
-    return ScheduleKey(dtype, spec.bits, spec.policy, spec.group_size, spec.rotation, layout.segment_numel)
+def schedule_key(dtype: torch.dtype, spec: QuantSpec, layout: A.Layout) -> ScheduleKey:
+    return ScheduleKey(dtype, spec.bits, spec.quantizer, spec.group_size, spec.rotation, layout.segment_numel)
 
 
 class Rotation:
@@ -79,14 +79,14 @@ class Rotation:
 
 
 def pow2_factors(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(2^k, 2^-k) as fp32 [1] tensors on amax's device, k = echo_ds.collective.pow2_exponent(amax).
+    """(2^k, 2^-k) as fp32 [1] tensors on amax's device, k = echo_ds.algorithm.pow2_exponent(amax).
 
     The same k as the reference's host-side frexp, computed on the device so that the call needs no
     host synchronisation (and can be captured in a CUDA graph); built from the exponent bits, exact.
     """
     a = amax.reshape(1).float()
     _, e = torch.frexp(a)
-    k = torch.clamp(C.kPow2Target - e, -126, 126)
+    k = torch.clamp(A.kPow2Target - e, -126, 126)
     k = torch.where(torch.isfinite(a) & (a != 0), k, torch.zeros_like(k))
     up = ((k + 127) << 23).view(torch.float32)
     down = ((127 - k) << 23).view(torch.float32)
@@ -96,7 +96,7 @@ def pow2_factors(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 class Schedule:
     """What both stage implementations share: tiling, flags, the pow2 max exchange, slot views."""
 
-    def __init__(self, key: ScheduleKey, spec: QuantSpec, layout: C.Layout, rank: int, world_size: int,
+    def __init__(self, key: ScheduleKey, spec: QuantSpec, layout: A.Layout, rank: int, world_size: int,
                  transport, tile_bytes: int, capacity: L.Capacity, device):
         self.key = key
         self.spec = spec
@@ -153,8 +153,8 @@ class Schedule:
         everyone = self.peer_amax.clone()
         everyone[self.rank] = self.amax[0]
         torch.amax(everyone, dim=0, keepdim=True, out=self.amax_all)
-        if self.pow2 == "auto":  # inside the window: 0, whose exponent is k = 0 (collective.pow2_exponent)
-            self.amax_all.masked_fill_((self.amax_all >= C.kAutoLow) & (self.amax_all < C.kAutoHigh), 0.0)
+        if self.pow2 == "auto":  # inside the window: 0, whose exponent is k = 0 (algorithm.pow2_exponent)
+            self.amax_all.masked_fill_((self.amax_all >= A.kAutoLow) & (self.amax_all < A.kAutoHigh), 0.0)
 
     def wait_push(self, tile: int) -> None:
         self.transport.wait(self.reduce_waits[tile], self.stream.get("reduce"))
@@ -252,7 +252,7 @@ class KernelSchedule(Schedule):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Stages through torch (echo_ds.collective's functions, per tile)
+# Stages through torch (echo_ds.algorithm's functions, per tile)
 # ----------------------------------------------------------------------------------------------------
 
 class TorchSchedule(Schedule):
@@ -304,12 +304,12 @@ class TorchSchedule(Schedule):
 
     def begin(self, x, y, compensator, pow2) -> None:
         self.x, self.y, self.comp, self.pow2 = x, y, compensator, pow2
-        self.layout = C.Layout(x.numel(), self.world_size, self.spec.group_size)
+        self.layout = A.Layout(x.numel(), self.world_size, self.spec.group_size)
 
     def entry(self) -> None:
         """x' = rotate(x) + c, the pow2 max exchange and scaling, and the codes of the segments this rank
         sends (into its staging; the push puts move them)."""
-        r = self.rotation.rotate(C.to_segments(self.x.reshape(1, -1), self.layout))[0]
+        r = self.rotation.rotate(A.to_segments(self.x.reshape(1, -1), self.layout))[0]
         if self.comp is not None:
             r = r + self.comp.correction(r.shape, r.device)
         self.r.copy_(r)
@@ -322,7 +322,7 @@ class TorchSchedule(Schedule):
             torch.mul(self.r, self.up, out=self.rs)
         else:
             self.rs.copy_(self.r)
-        codes, scale, zero = C.quantize_segments(self.rs[self.others_index], self.spec)
+        codes, scale, zero = A.quantize_segments(self.rs[self.others_index], self.spec)
         self.sent_codes.copy_(codes)
         self.sent_scale.copy_(scale)
         self.sent_zero.copy_(zero)
@@ -339,12 +339,12 @@ class TorchSchedule(Schedule):
             if r == self.rank:
                 terms.append(self.rs[self.rank, g0:g1])
             else:
-                terms.append(C.dequantize_segments(*self.push_recv[tile][r], self.spec))
+                terms.append(A.dequantize_segments(*self.push_recv[tile][r], self.spec))
         acc = terms[0].clone()
         for term in terms[1:]:
             acc = acc + term
         self.acc[g0:g1].copy_(acc)
-        codes, scale, zero = C.quantize_segments(acc[None], self.spec)
+        codes, scale, zero = A.quantize_segments(acc[None], self.spec)
         self.red_codes[g0:g1].copy_(codes[0])
         self.red_scale[g0:g1].copy_(scale[0])
         self.red_zero[g0:g1].copy_(zero[0])
@@ -354,13 +354,13 @@ class TorchSchedule(Schedule):
         self.transport.put(self.gather_puts[tile], self.stream.get("gather"))
         g0, g1 = self.tiling.tile(tile)
         self.s_hat_scaled[self.rank, g0:g1].copy_(
-            C.dequantize_segments(self.red_codes[g0:g1], self.red_scale[g0:g1], self.red_zero[g0:g1], self.spec))
+            A.dequantize_segments(self.red_codes[g0:g1], self.red_scale[g0:g1], self.red_zero[g0:g1], self.spec))
 
     def tail(self, tile: int) -> None:
         self.wait_gather(tile)
         g0, g1 = self.tiling.tile(tile)
         for o in self.others:
-            self.s_hat_scaled[o, g0:g1].copy_(C.dequantize_segments(*self.gather_recv[tile][o], self.spec))
+            self.s_hat_scaled[o, g0:g1].copy_(A.dequantize_segments(*self.gather_recv[tile][o], self.spec))
 
     def exit(self) -> None:
         """y = unrotate(s_hat) in the caller's dtype and shape, s_hat = s_hat_scaled * 2^-k."""
@@ -370,18 +370,17 @@ class TorchSchedule(Schedule):
         else:
             s_hat = self.s_hat_scaled
         y = self.y
-        y.copy_(C.from_segments(self.rotation.unrotate(s_hat), self.layout, y.shape, y.dtype))
+        y.copy_(A.from_segments(self.rotation.unrotate(s_hat), self.layout, y.shape, y.dtype))
 
     def update(self) -> None:
-        """The compensator's averages from this call's residual (echo_ds.reference's two residuals)."""
+        """The compensator's averages from this call's residual (algorithm.output_residual or
+        algorithm.local_residual, as echo_ds.reference takes them)."""
         comp = self.comp
         s_hat = self.s_hat if self.pow2 else self.s_hat_scaled
         if comp.residual == "output":
-            u = self.r - s_hat / self.world_size
+            u = A.output_residual(self.r, s_hat, self.world_size)
         else:
-            err = torch.empty_like(self.rs)
-            err[self.others_index] = (C.dequantize_segments(self.sent_codes, self.sent_scale, self.sent_zero,
-                                                            self.spec) - self.rs[self.others_index])
-            err[self.rank] = self.s_hat_scaled[self.rank] - self.acc
-            u = -(err * self.down) if self.pow2 else -err
+            sent = A.dequantize_segments(self.sent_codes, self.sent_scale, self.sent_zero, self.spec)
+            u = A.local_residual(self.rs, sent, self.rank, self.s_hat_scaled[self.rank], self.acc,
+                                 sent_index=self.others_index, down=self.down if self.pow2 else None)
         comp.update(u)

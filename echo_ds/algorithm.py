@@ -1,7 +1,9 @@
-"""The stages of one Echo all-reduce, shared by the distributed reference and the emulator.
+"""The arithmetic of one Echo all-reduce, without its communication: the pure-tensor stages shared by
+the distributed reference (echo_ds.reference), the emulator (echo_ds.emulate) and the p2p transport's
+torch stages (echo_ds.p2p.stages.TorchSchedule).
 
 Every function here works on a leading rank axis R (R = 1 on one rank of the distributed reference,
-R = P in the emulator), so both paths run the very same fp32 operations and give identical bits.
+R = P in the emulator), so every path runs the very same fp32 operations and gives identical bits.
 
 Layout of one call with n elements on P ranks and group size g::
 
@@ -17,7 +19,8 @@ Per call, on rank i (section 4.1):
 3. owner reduce: acc = sum over ranks r = 0 .. P-1 in that order of (x'_i^i if r == i else
    dequantize(codes from r)), in fp32; quantize acc once;
 4. all-gather of the reduced segments' codes; every rank, the owner included, dequantizes the same codes
-   (s_hat), so all ranks hold bit-identical results; y = unrotate(s_hat) / 2^k.
+   (s_hat), so all ranks hold bit-identical results; y = unrotate(s_hat) / 2^k;
+5. with a compensator, its residual u (:func:`output_residual`, :func:`local_residual`) updates its state.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def pow2_exponent(amax, mode=True) -> int:
 def quantize_segments(seg: torch.Tensor, spec: QuantSpec):
     """Quantize fp32 [..., G, g] -> (codes [..., G, g*b/8] uint8, scale [..., G] fp16, zero fp16)."""
     lead = seg.shape[:-1]
-    codes, scale, zero = Q.quantize_groups(seg.reshape(-1, spec.group_size), spec.bits, spec.policy)
+    codes, scale, zero = Q.quantize_groups(seg.reshape(-1, spec.group_size), spec.bits, spec.quantizer)
     return codes.view(*lead, -1), scale.view(lead), zero.view(lead)
 
 
@@ -150,3 +153,34 @@ def ordered_sum(terms: torch.Tensor) -> torch.Tensor:
     for r in range(1, terms.shape[0]):
         acc = acc + terms[r]
     return acc
+
+
+def output_residual(r: torch.Tensor, s_hat: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The compensator's residual "output": u = r - s_hat / P.
+
+    r: x' = rotate(x) + c, fp32 [..., P, G, g] (the rank axes of the caller in front); s_hat: the call's
+    result before the unrotation, fp32 [P, G, g], broadcast over r's leading axes. The division by P is
+    the product by its fp32 reciprocal (quant.reciprocal).
+    """
+    return r - s_hat * Q.reciprocal(world_size)
+
+
+def local_residual(rs: torch.Tensor, sent: torch.Tensor, own, s_hat_scaled_own: torch.Tensor, acc: torch.Tensor,
+                   sent_index=None, down=None) -> torch.Tensor:
+    """The compensator's residual "local": u = -(err 2^-k), err the rounding error of what a rank quantized.
+
+    err = dequantize(sent codes) - rs on the segments a rank sends, s_hat_scaled - acc on the segment it
+    owns (its reduced value against its fp32 sum, both scaled by 2^k).
+
+    rs: x' 2^k, fp32 [..., P, G, g]; sent: the dequantized codes of the sent segments, rs[sent_index]'s
+    shape, or rs's whole shape when ``sent_index`` is None (its owned entries are then overwritten);
+    own: the index of the owned segment(s) in rs; s_hat_scaled_own, acc: the owned segment(s)' reduced
+    value and fp32 sum, rs[own]'s shape; down: 2^-k (a float or an fp32 tensor), None for no rescaling.
+    """
+    if sent_index is None:
+        err = sent - rs
+    else:
+        err = torch.empty_like(rs)
+        err[sent_index] = sent - rs[sent_index]
+    err[own] = s_hat_scaled_own - acc
+    return -(err * down) if down is not None else -err
