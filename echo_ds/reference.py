@@ -57,7 +57,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 kTimeoutEnv = "ECHO_P2P_TIMEOUT_S"
 
 STAGES = ("descriptor", "all-to-all", "all-gather", "telemetry")
-DIRECTIONS = ("forward", "backward")
+DIRECTIONS = ("forward", "backward", "eval")  # "eval": a forward that no backward follows
 
 # The descriptor: one int64 per field, in this order, all compared; "magic" marks it as Echo's (version 1).
 # One more int64 follows, not compared: the fp32 bits of the rank's largest magnitude (pow2 rescaling).
@@ -298,8 +298,9 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
         [2^-6, 2^15), where a fixed fp16 group scale would clip or flush to zero (algorithm.POW2_MODES);
         False: never. Each rank's largest magnitude travels in the descriptor all-gather (no extra
         collective); the compensator stays outside the scaling.
-    direction, site: what the caller's call is ("forward" / "backward", a site index >= 0), for the
-        agreement check and the error messages; None: not checked, not named.
+    direction, site: what the caller's call is ("forward", "backward" or "eval": a forward that no backward
+        follows; a site index >= 0), for the agreement check and the error messages; None: not checked,
+        not named.
     timeout_s: the longest wait of one stage, seconds (default: see ``default_timeout``; inf: unbounded).
 
     All ranks return bit-identical tensors. Non-finite inputs propagate as NaN over their groups.

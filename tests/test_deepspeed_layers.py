@@ -406,6 +406,22 @@ def _scenarios(rank, world_size, shm_port):
         res["mismatch_error"] = str(e)
     echo.disable(net)
 
+    # --- rank 0 evaluates (eval mode, no_grad) while rank 1 trains: stopped at the first call ---------
+    net = _build()
+    echo.enable(net, _cfg())
+    try:
+        x = _inputs(17)[0]
+        if rank == 0:
+            net.eval()
+            with torch.no_grad():
+                net(x)
+        else:
+            net(x)  # a training forward: a backward would follow
+        res["eval_train_error"] = None
+    except RuntimeError as e:
+        res["eval_train_error"] = str(e)
+    echo.disable(net)
+
     # --- DeepCompile's deferred collectives are refused ----------------------------------------------
     net = _build()
     echo.enable(net, _cfg())
@@ -631,6 +647,14 @@ def test_site_mismatch_is_detected(results):
         msg = r["mismatch_error"]
         assert msg is not None and "ranks disagree on site" in msg and "different Echo sites" in msg, msg
         assert "rank 0: blocks.0.o" in msg and "rank 1: blocks.1.o" in msg, msg
+
+
+def test_a_rank_evaluating_while_its_peer_trains_is_stopped_at_the_first_call(results):
+    for r in results:
+        msg = r["eval_train_error"]
+        assert msg is not None and "ranks disagree on direction" in msg, msg
+        assert "rank 0: eval" in msg and "rank 1: forward" in msg and "same pass" in msg, msg
+        assert "no data was exchanged" in msg, msg
 
 
 def test_unsupported_group_layout_refused_and_nothing_patched_globally(results):

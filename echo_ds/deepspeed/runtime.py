@@ -344,26 +344,35 @@ class EchoRuntime:
         return y
 
     def _echo(self, x: torch.Tensor, site: Site, bits: int, compensator, pow2) -> torch.Tensor:
+        # The call's kind, for the ranks' agreement: a forward that no backward will follow (eval, no_grad,
+        # inference) is "eval", so a rank evaluating while its peer trains is stopped at the first call.
+        kind = site.direction if site.direction == BACKWARD or self._training_pass else "eval"
         if self.buffer is not None:
             # Asynchronous on the current stream: every read of x is ordered before later work on it.
             return self.buffer.all_reduce(x, self._spec(bits), compensator=compensator, pow2_rescale=pow2,
-                                          site=site.site_id, direction=site.direction)
+                                          site=site.site_id, direction=kind)
         from echo_ds.reference import echo_all_reduce
 
         from echo_ds.reference import EchoCallMismatch
 
         try:
             return echo_all_reduce(x, self._spec(bits), group=site.group, compensator=compensator,
-                                   pow2_rescale=pow2, direction=site.direction, site=site.site_id)
+                                   pow2_rescale=pow2, direction=kind, site=site.site_id)
         except EchoCallMismatch as e:
-            if "site" not in e.fields:
+            hints = []
+            if "site" in e.fields:
+                # The descriptor names sites by number; the ranks share the site table, so name them too.
+                names = [self.sites[int(v)].name if str(v).isdigit() and int(v) < len(self.sites) else str(v)
+                         for v in e.fields["site"]]
+                shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+                hints.append(f"The ranks reached different Echo sites ({shown}): every rank must run the same "
+                             f"layers in the same order.")
+            if "direction" in e.fields and "eval" in e.fields["direction"]:
+                hints.append("Some ranks run a training forward and others a forward without backward (eval "
+                             "mode or no_grad): every rank of the tensor-parallel group must run the same pass.")
+            if not hints:
                 raise
-            # The descriptor names sites by number; the ranks share the site table, so name them too.
-            names = [self.sites[int(v)].name if str(v).isdigit() and int(v) < len(self.sites) else str(v)
-                     for v in e.fields["site"]]
-            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-            raise EchoCallMismatch(f"{e} The ranks reached different Echo sites ({shown}): every rank must run "
-                                   f"the same layers in the same order.", e.fields, e.call) from None
+            raise EchoCallMismatch(f"{e} " + " ".join(hints), e.fields, e.call) from None
 
     def _replay(self, x: torch.Tensor, site: Site) -> torch.Tensor:
         """A forward site reached again inside backward: an activation-checkpointing recompute.

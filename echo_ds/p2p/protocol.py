@@ -64,7 +64,7 @@ def numel_hash(numel: int, site: Optional[int] = None, direction: Optional[str] 
     """20 bits of (element count, site, direction) (Fibonacci hashing of each, mixed): equal calls give
     equal hashes, and two calls that differ in any of them collide with probability about 2^-20."""
     h = 0
-    for v in (numel, -1 if site is None else site, {None: 0, "forward": 1, "backward": 2}[direction]):
+    for v in (numel, -1 if site is None else site, {None: 0, "forward": 1, "backward": 2, "eval": 3}[direction]):
         h = ((h ^ (v & 0xFFFFFFFF)) * 0x9E3779B1) & 0xFFFFFFFF
     return h >> (32 - kNumelHashBits)
 
