@@ -22,8 +22,8 @@ void launch_owner_reduce(const OwnerReduceArgs& a, cudaStream_t stream) {
   }
   check_contribution(a.src);
   if (a.num_groups == 0) return;
-  if (is_plain(a.src)) {
-    launch_owner_reduce_kernel<true>(a, stream);  // owner_reduce_plain.cu
+  if (is_uncompensated(a.src)) {
+    launch_owner_reduce_kernel<true>(a, stream);  // owner_reduce_uncompensated.cu
   } else {
     launch_owner_reduce_kernel<false>(a, stream);
   }

@@ -3,7 +3,9 @@
 // stages, which derive k = collective.pow2_exponent(amax) on the device (no host round trip).
 // NaN propagates as torch.amax does (block_amax_bits). The one-launch call computes the same max inside
 // its own kernel (p2p_all_reduce.cuh).
-#include "echo_common.cuh"
+#include "echo_contribution.cuh"
+#include "echo_device.cuh"
+#include "echo_rescale.cuh"
 
 namespace echo {
 namespace {
