@@ -217,7 +217,7 @@ def _sweep(buf, rank, P, dev, spec, args):
         dist.all_gather_object(oks, ok)
         del parts
         row = {"P": P, "bytes": size, "stages": stages, "ok": all(oks), "copy_s": _time_copy(x, args["iters"])}
-        for label, comp in (("plain", None), ("compensated", make_compensator(DirectionConfig()))):
+        for label, comp in (("uncompensated", None), ("compensated", make_compensator(DirectionConfig()))):
             secs, host = _time_calls(buf, x, spec, comp, pow2, args["warmup"], args["iters"])
             med, lo, hi = _median_spread(secs)
             row[label] = {"median_s": med, "min_s": lo, "max_s": hi, "host_median_s": statistics.median(host)}
@@ -329,29 +329,29 @@ def main(argv=None):
                   f"median of {args.iters} (min..max); host = host time to issue one call; graph = per call of "
                   f"{args.graph_reps} back-to-back calls replayed from one CUDA graph; copy = a device copy of "
                   f"the message")
-            print("| size | eager | algbw | busbw | host | compensated eager | compensated host | graph | "
-                  "compensated graph | graph ratio | copy | correct |")
+            print("| size | uncompensated eager | algbw | busbw | uncompensated host | compensated eager | "
+                  "compensated host | uncompensated graph | compensated graph | graph ratio | copy | correct |")
             print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
             for r in rows:
-                p, c = r["plain"], r["compensated"]
-                algbw = r["bytes"] / p["median_s"] / 1e9
+                u, c = r["uncompensated"], r["compensated"]
+                algbw = r["bytes"] / u["median_s"] / 1e9
                 busbw = algbw * 2 * (P - 1) / P
-                graph = ("| - | - | - " if "graph_median_s" not in p else
-                         f"| {p['graph_median_s'] * 1e6:.1f} us | {c['graph_median_s'] * 1e6:.1f} us "
-                         f"| {c['graph_median_s'] / p['graph_median_s']:.2f}x ")
-                print(f"| {_fmt_bytes(r['bytes'])} | {p['median_s'] * 1e6:.1f} us ({p['min_s'] * 1e6:.0f}.."
-                      f"{p['max_s'] * 1e6:.0f}) | {algbw:.1f} GB/s | {busbw:.1f} GB/s | {p['host_median_s'] * 1e6:.0f} us "
+                graph = ("| - | - | - " if "graph_median_s" not in u else
+                         f"| {u['graph_median_s'] * 1e6:.1f} us | {c['graph_median_s'] * 1e6:.1f} us "
+                         f"| {c['graph_median_s'] / u['graph_median_s']:.2f}x ")
+                print(f"| {_fmt_bytes(r['bytes'])} | {u['median_s'] * 1e6:.1f} us ({u['min_s'] * 1e6:.0f}.."
+                      f"{u['max_s'] * 1e6:.0f}) | {algbw:.1f} GB/s | {busbw:.1f} GB/s | {u['host_median_s'] * 1e6:.0f} us "
                       f"| {c['median_s'] * 1e6:.1f} us | {c['host_median_s'] * 1e6:.0f} us {graph}"
                       f"| {r['copy_s'] * 1e6:.1f} us | {'yes' if r['ok'] else 'NO'} |")
         if len(by_stages) > 1 and args.graph_reps:
             names = list(by_stages)
             print(f"\nGraph replay per call, P = {P}: {names[0]} against {names[-1]} (same run)")
-            print(f"| size | {names[0]} | {names[-1]} | ratio | compensated {names[0]} | compensated {names[-1]} "
-                  f"| ratio |")
+            print(f"| size | uncompensated {names[0]} | uncompensated {names[-1]} | ratio | compensated {names[0]} "
+                  f"| compensated {names[-1]} | ratio |")
             print("|---:|---:|---:|---:|---:|---:|---:|")
             for a, b in zip(by_stages[names[0]], by_stages[names[-1]]):
                 cells = []
-                for label in ("plain", "compensated"):
+                for label in ("uncompensated", "compensated"):
                     ta, tb = a[label]["graph_median_s"], b[label]["graph_median_s"]
                     cells.append(f"{ta * 1e6:.1f} us | {tb * 1e6:.1f} us | {tb / ta:.2f}x")
                 print(f"| {_fmt_bytes(a['bytes'])} | " + " | ".join(cells) + " |")

@@ -3,7 +3,12 @@
 // same codes, its own segment included, so all ranks hold the same bits (paper, section 4.1). With
 // residual "output" it is also the compensator's update, which needs s_hat: it re-reads x and the state
 // (the entry read them too: 12 bytes of state per element and call) and writes the state once.
-#include "echo_common.cuh"
+#include "echo_compensator.cuh"
+#include "echo_contribution.cuh"
+#include "echo_device.cuh"
+#include "echo_quantizer.cuh"
+#include "echo_rescale.cuh"
+#include "echo_rotation.cuh"
 
 namespace echo {
 namespace {

@@ -1,6 +1,6 @@
 // The host-facing API of the Echo kernels: raw pointers, sizes and a stream in; no torch types.
 //
-// One call of the Echo all-reduce on rank i of P, with n elements and group size g (echo_ds/collective.py):
+// One call of the Echo all-reduce on rank i of P, with n elements and group size g (echo_ds/algorithm.py):
 //
 //   padded = ceil(n / (P g)) * P g       (at least one chunk; zeros appended)
 //   segment j = padded elements [j S, (j + 1) S), S = G g, G = groups_per_segment, owned by rank j
@@ -99,7 +99,7 @@ struct Contribution {
   HadamardSpec hadamard;
 };
 
-// Shape of one call, identical to echo_ds.collective.Layout.
+// Shape of one call, identical to echo_ds.algorithm.Layout.
 struct Layout {
   int64_t numel;               // real elements n of x / y
   int32_t world_size;          // P
@@ -263,7 +263,7 @@ struct P2PAllReduceArgs {
   Policy policy;
   int32_t update_local;   // residual "local": the entry and the owner reduce update m1, m2
   int32_t update_output;  // residual "output": the dequantize updates m1, m2
-  int32_t pow2;           // rescaling: 0 never, 1 always, 2 "auto" (collective.POW2_MODES); the max |r'|
+  int32_t pow2;           // rescaling: 0 never, 1 always, 2 "auto" (algorithm.POW2_MODES); the max |r'|
                           // over the ranks is taken inside the launch
   QuantTable push_out;    // [j]: owner j's push slot for this rank (j != rank)
   QuantTable reduce_in;   // [s]: this rank's push slot for s (s != rank)

@@ -1,5 +1,5 @@
 // Stage 2, owner reduce: acc = sum over ranks r = 0 .. P-1 in that order of (own rs if r is the owner,
-// else decode(copy of r)), fp32, ((t0 + t1) + t2) + ... (collective.ordered_sum); acc is quantized once
+// else decode(copy of r)), fp32, ((t0 + t1) + t2) + ... (algorithm.ordered_sum); acc is quantized once
 // and written to every destination of the table (its own gather buffer and/or its peers'). The own rs is
 // formed here from x (and the state), exactly as the entry forms the segments it sends.
 #include "owner_reduce.cuh"
@@ -22,8 +22,8 @@ void launch_owner_reduce(const OwnerReduceArgs& a, cudaStream_t stream) {
   }
   check_contribution(a.src);
   if (a.num_groups == 0) return;
-  if (is_plain(a.src)) {
-    launch_owner_reduce_kernel<true>(a, stream);  // owner_reduce_plain.cu
+  if (is_uncompensated(a.src)) {
+    launch_owner_reduce_kernel<true>(a, stream);  // owner_reduce_uncompensated.cu
   } else {
     launch_owner_reduce_kernel<false>(a, stream);
   }

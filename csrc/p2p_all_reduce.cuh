@@ -31,7 +31,12 @@
 // which every wait of every later call gives up at once (the host raises the named error).
 #pragma once
 
-#include "echo_common.cuh"
+#include "echo_compensator.cuh"
+#include "echo_contribution.cuh"
+#include "echo_device.cuh"
+#include "echo_quantizer.cuh"
+#include "echo_rescale.cuh"
+#include "echo_rotation.cuh"
 
 namespace echo {
 namespace detail {

@@ -1,9 +1,11 @@
 // pow2 rescaling (paper, section 5.4): amax = max |r'| over this rank's padded tensor, r' = rotate(x) + c.
 // The caller takes the max over the ranks (one scalar all-reduce) and hands the result to the other
-// stages, which derive k = collective.pow2_exponent(amax) on the device (no host round trip).
+// stages, which derive k = algorithm.pow2_exponent(amax) on the device (no host round trip).
 // NaN propagates as torch.amax does (block_amax_bits). The one-launch call computes the same max inside
 // its own kernel (p2p_all_reduce.cuh).
-#include "echo_common.cuh"
+#include "echo_contribution.cuh"
+#include "echo_device.cuh"
+#include "echo_rescale.cuh"
 
 namespace echo {
 namespace {

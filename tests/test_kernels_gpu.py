@@ -187,8 +187,8 @@ def ref_contribution(x, layout, spec, comp_mode, pow2, gen):
 def plant_specials(x: torch.Tensor, layout, rank: int) -> None:
     """Groups 1-6 of the first segment the entry sends (x in place, whole groups only): a NaN, +inf and
     -inf group; the dtype's extremes (largest finite of both signs and the smallest subnormal); signed
-    zeros only; a constant negative group. The plain entry takes 16-bit statistics on packed pairs, so these
-    reach its NaN propagation, the negated maximum and the zero signs."""
+    zeros only; a constant negative group. The uncompensated entry takes 16-bit statistics on packed pairs,
+    so these reach its NaN propagation, the negated maximum and the zero signs."""
     g, S = layout.group_size, layout.segment_numel
     seg = 1 if rank == 0 else 0
     fi = torch.finfo(x.dtype)
@@ -258,16 +258,16 @@ def test_push_quantize(ops, dtype, bits, quantizer, rotation, g):
                gen=gen, specials=(i % 3 == 2))
 
 
-PLAIN_CASES = list(itertools.product(DTYPES, BITS, QUANTIZERS, GROUP_SIZES))
+UNCOMPENSATED_CASES = list(itertools.product(DTYPES, BITS, QUANTIZERS, GROUP_SIZES))
 
 
-@pytest.mark.parametrize("dtype,bits,quantizer,g", PLAIN_CASES,
-                         ids=[f"{str(d)[6:]}-b{b}-{p}-g{g}" for d, b, p, g in PLAIN_CASES])
-def test_push_quantize_plain(ops, dtype, bits, quantizer, g):
-    """The plain entry (no compensation, rotation or residual: its own instantiation) for every dtype, bit
-    width, quantizer and group size; non-finite and extreme groups where pow2 is off (a non-finite amax
-    gives k = 0)."""
-    i = PLAIN_CASES.index((dtype, bits, quantizer, g))
+@pytest.mark.parametrize("dtype,bits,quantizer,g", UNCOMPENSATED_CASES,
+                         ids=[f"{str(d)[6:]}-b{b}-{p}-g{g}" for d, b, p, g in UNCOMPENSATED_CASES])
+def test_push_quantize_uncompensated(ops, dtype, bits, quantizer, g):
+    """The uncompensated entry (no compensation, rotation or residual: its own instantiation) for every
+    dtype, bit width, quantizer and group size; non-finite and extreme groups where pow2 is off (a
+    non-finite amax gives k = 0)."""
+    i = UNCOMPENSATED_CASES.index((dtype, bits, quantizer, g))
     gen = torch.Generator(device=dev()).manual_seed(3000 + i)
     P = WORLD_SIZES[i % 4]
     spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
@@ -308,10 +308,10 @@ def test_unaligned_view(ops):
     assert_packet(ops, out[0], layout, spec, *A.quantize_segments(acc[None], spec), "reduced segment")
 
 
-@pytest.mark.parametrize("rotation", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("rotation", [False, True], ids=["uncompensated", "rotated"])
 def test_push_quantize_tiles(ops, rotation):
     """Tiles of groups (37 and 150 in turn) written one after the other give the whole-segment result, for
-    the plain entry and the rotated one (two instantiations)."""
+    the uncompensated entry and the rotated one (two instantiations)."""
     gen = torch.Generator(device=dev()).manual_seed(6)
     spec = QuantSpec(bits=4, group_size=64, rotation=rotation)
     x = random_input(50_000, 64, torch.bfloat16, gen)
@@ -421,15 +421,15 @@ def test_owner_reduce(ops, P, bits, quantizer, g):
                local=i % 2 == 1, pow2=i % 3 == 0, tiled=i % 4 == 1, inf_own=i % 5 == 0, gen=gen)
 
 
-REDUCE_PLAIN_CASES = list(itertools.product(DTYPES, WORLD_SIZES, BITS, GROUP_SIZES))
+REDUCE_UNCOMPENSATED_CASES = list(itertools.product(DTYPES, WORLD_SIZES, BITS, GROUP_SIZES))
 
 
-@pytest.mark.parametrize("dtype,P,bits,g", REDUCE_PLAIN_CASES,
-                         ids=[f"{str(d)[6:]}-P{P}-b{b}-g{g}" for d, P, b, g in REDUCE_PLAIN_CASES])
-def test_owner_reduce_plain(ops, dtype, P, bits, g):
-    """The plain owner reduce (its own instantiation, which keeps x as loaded until its turn in the sum)
-    for every dtype, world size, bit width and group size; the quantizer cycles."""
-    i = REDUCE_PLAIN_CASES.index((dtype, P, bits, g))
+@pytest.mark.parametrize("dtype,P,bits,g", REDUCE_UNCOMPENSATED_CASES,
+                         ids=[f"{str(d)[6:]}-P{P}-b{b}-g{g}" for d, P, b, g in REDUCE_UNCOMPENSATED_CASES])
+def test_owner_reduce_uncompensated(ops, dtype, P, bits, g):
+    """The uncompensated owner reduce (its own instantiation, which keeps x as loaded until its turn in the
+    sum) for every dtype, world size, bit width and group size; the quantizer cycles."""
+    i = REDUCE_UNCOMPENSATED_CASES.index((dtype, P, bits, g))
     gen = torch.Generator(device=dev()).manual_seed(4000 + i)
     spec = QuantSpec(bits=bits, group_size=g, quantizer=QUANTIZERS[i % 3])
     owner_case(ops, P=P, rank=(i * 5) % P, dtype=dtype, spec=spec,

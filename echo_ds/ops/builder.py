@@ -19,7 +19,7 @@ default nvcc flags, which include ``--use_fast_math`` (approximate division, flu
 into FMA). It passes ``-fmad=false --ftz=false --prec-div=true --prec-sqrt=true`` instead.
 
 Kernel experiments: ``ECHO_DS_NVCC_EXTRA`` appends flags to nvcc (e.g. ``-DECHO_CHUNK_ELEMS=4``, see
-csrc/echo_common.cuh); give each variant its own ``TORCH_EXTENSIONS_DIR``.
+csrc/echo_device.cuh); give each variant its own ``TORCH_EXTENSIONS_DIR``.
 
 Targets: sm_90 by default (the H100/H200 this project runs on); ``TORCH_CUDA_ARCH_LIST`` adds others,
 e.g. ``TORCH_CUDA_ARCH_LIST="8.0;9.0"``. Architectures before sm_80 are dropped (bf16 conversions).
@@ -60,7 +60,7 @@ CSRC_DIR = kernel_sources_dir()
 SOURCES = (
     "push_quantize.cu",
     "owner_reduce.cu",
-    "owner_reduce_plain.cu",
+    "owner_reduce_uncompensated.cu",
     "dequantize.cu",
     "pow2_amax.cu",
     "p2p_all_reduce.cu",
@@ -68,7 +68,9 @@ SOURCES = (
     "p2p_all_reduce_bf16.cu",
     "echo_binding.cpp",
 )
-HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_common.cuh", "owner_reduce.cuh", "p2p_all_reduce.cuh")
+HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_device.cuh", "echo_quantizer.cuh", "echo_rotation.cuh",
+           "echo_compensator.cuh", "echo_contribution.cuh", "echo_rescale.cuh", "owner_reduce.cuh",
+           "p2p_all_reduce.cuh")
 
 DEFAULT_ARCH_LIST = "9.0"
 MIN_COMPUTE_CAPABILITY = (8, 0)

@@ -29,7 +29,7 @@ from echo_ds.quant import QuantSpec
 
 QUANTIZER_CODES = {"zero_aware": 0, "symmetric": 1, "naive": 2}
 # World sizes the kernels are instantiated for (the reference path takes any P). The staged kernels
-# (push_quantize, owner_reduce, dequantize, pow2_amax: ECHO_DISPATCH_WORLD_SIZE in csrc/echo_common.cuh)
+# (push_quantize, owner_reduce, dequantize, pow2_amax: ECHO_DISPATCH_WORLD_SIZE in csrc/echo_device.cuh)
 # take P = 3 as well; the one-launch p2p kernel (csrc/p2p_all_reduce.cuh, P2PRuntime in
 # csrc/echo_binding.cpp) is built only for the tensor-parallel sizes 2, 4 and 8, and the p2p transport
 # serves exactly those groups (echo_ds.p2p.policy), so every group it serves has its one-launch kernel.
