@@ -47,7 +47,8 @@ constexpr int kMinGroupSize = 64;
 constexpr int kMaxGroupSize = 256;
 
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
-enum class Policy : int32_t { kZeroAware = 0, kSymmetric = 1, kNaive = 2 };
+// The group quantizer (quant.QUANTIZERS, in that order: echo_ds.ops.kernels.QUANTIZER_CODES).
+enum class Quantizer : int32_t { kZeroAware = 0, kSymmetric = 1, kNaive = 2 };
 
 // Where the quantized segments live: entry [j] holds segment j (push, dequantize) or the copy of rank j
 // (owner reduce input), or a destination d of the reduced segment (owner reduce output). A null codes
@@ -127,7 +128,7 @@ struct PushQuantizeArgs {
   Contribution src;
   int32_t rank;         // i: segment i is not sent (the owner reduce forms it), the others go to out[j]
   int32_t bits;         // 4 or 8
-  Policy policy;
+  Quantizer quantizer;
   int32_t pad_;
   int64_t group_begin;  // tile of groups inside each segment
   int64_t num_groups;
@@ -145,7 +146,7 @@ struct OwnerReduceArgs {
   Contribution src;  // this rank's, as given to launch_push_quantize: the own copy is rs of segment rank
   int32_t rank;      // the owner
   int32_t bits;
-  Policy policy;
+  Quantizer quantizer;
   int32_t pad_;
   int64_t group_begin;
   int64_t num_groups;
@@ -260,7 +261,7 @@ struct P2PAllReduceArgs {
   void* out;         // [numel] of x's dtype
   int32_t rank;
   int32_t bits;
-  Policy policy;
+  Quantizer quantizer;
   int32_t update_local;   // residual "local": the entry and the owner reduce update m1, m2
   int32_t update_output;  // residual "output": the dequantize updates m1, m2
   int32_t pow2;           // rescaling: 0 never, 1 always, 2 "auto" (algorithm.POW2_MODES); the max |r'|

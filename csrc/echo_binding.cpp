@@ -20,7 +20,7 @@ using echo::CompensatorCoeffs;
 using echo::DType;
 using echo::HadamardSpec;
 using echo::Layout;
-using echo::Policy;
+using echo::Quantizer;
 using echo::QuantTable;
 
 using OptTensor = std::optional<at::Tensor>;
@@ -61,9 +61,10 @@ DType dtype_of(const at::Tensor& t, const char* name) {
   return DType::kFloat32;
 }
 
-Policy policy_of(int64_t policy) {
-  TORCH_CHECK(policy >= 0 && policy <= 2, "policy must be 0 (zero_aware), 1 (symmetric) or 2 (naive), got ", policy);
-  return static_cast<Policy>(policy);
+Quantizer quantizer_of(int64_t quantizer) {
+  TORCH_CHECK(quantizer >= 0 && quantizer <= 2, "quantizer must be 0 (zero_aware), 1 (symmetric) or 2 (naive), got ",
+              quantizer);
+  return static_cast<Quantizer>(quantizer);
 }
 
 Layout make_layout(int64_t numel, int64_t world_size, int64_t group_size) {
@@ -81,8 +82,33 @@ Layout make_layout(int64_t numel, int64_t world_size, int64_t group_size) {
 
 void check_bits(int64_t bits) { TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits); }
 
-// Table of P entries, each with room for groups [0, G) of one segment. skip: an index that must be empty
-// (-1: none must be, -2: any may be).
+// `who` (the entry point) names the caller in the messages of the checks below.
+void check_rank(int64_t rank, int64_t world_size, const char* who) {
+  TORCH_CHECK(rank >= 0 && rank < world_size, who, ": rank ", rank, " outside [0, ", world_size, ")");
+}
+
+// The tile [begin, begin + count) of [0, total), count < 0 meaning "to the end": its count, checked.
+int64_t tile_count(int64_t begin, int64_t count, int64_t total, const char* what, const char* who) {
+  if (count < 0) count = total - begin;
+  TORCH_CHECK(begin >= 0 && begin + count <= total, who, ": ", what, " [", begin, ", ", begin + count,
+              ") outside [0, ", total, ")");
+  return count;
+}
+
+// t has ref's dtype and numel.
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name, const char* who) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type() && t.numel() == ref.numel(), who, ": ", name, " must have ",
+              ref_name, "'s dtype and numel");
+}
+
+// A device scalar: a float32 tensor of at least 1 element.
+float* scalar_f32(const at::Tensor& t, const char* name) {
+  check_tensor(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() >= 1, name, " must be a float32 tensor of 1 element");
+  return t.data_ptr<float>();
+}
+
+// Table of P entries, each with room for groups [0, G) of one segment; an entry with no elements is null.
 QuantTable make_table(const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
                       const std::vector<at::Tensor>& zeros, const Layout& l, int64_t bits, const char* name) {
   const int P = l.world_size;
@@ -112,6 +138,12 @@ QuantTable make_table(const std::vector<at::Tensor>& codes, const std::vector<at
   return t;
 }
 
+// Entries [begin, end) of t but `except` (-1: none) are present.
+void check_entries(const QuantTable& t, int64_t begin, int64_t end, int64_t except, const char* entry,
+                   const char* who) {
+  for (int64_t j = begin; j < end; ++j) TORCH_CHECK(j == except || t.codes[j] != nullptr, who, ": no ", entry, " ", j);
+}
+
 HadamardSpec make_hadamard(const std::vector<int64_t>& sign_words, double norm, int64_t group_size) {
   HadamardSpec h{};
   h.enabled = sign_words.empty() ? 0 : 1;
@@ -139,12 +171,7 @@ CompensatorCoeffs make_coeffs(const std::vector<double>& c) {
   return k;
 }
 
-const float* opt_scalar(const OptTensor& t, const char* name) {
-  if (!present(t)) return nullptr;
-  check_tensor(*t, name);
-  TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() >= 1, name, " must be a float32 tensor of 1 element");
-  return t->data_ptr<float>();
-}
+const float* opt_scalar(const OptTensor& t, const char* name) { return present(t) ? scalar_f32(*t, name) : nullptr; }
 
 // r' = rotate(x) + c of this rank (echo::Contribution); x is checked by the caller and l is its layout.
 // update_state: the stage folds its residual into m1, m2 in place.
@@ -171,29 +198,25 @@ echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, c
 void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
                    const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
                    const std::vector<at::Tensor>& zeros, bool update_state, const OptTensor& pow2_amax,
-                   int64_t rank, int64_t world_size, int64_t group_size, int64_t bits, int64_t policy,
+                   int64_t rank, int64_t world_size, int64_t group_size, int64_t bits, int64_t quantizer,
                    const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                    const std::vector<double>& coeffs, int64_t group_begin, int64_t num_groups, int64_t stream) {
   check_tensor(x, "x");
   check_bits(bits);
   echo::PushQuantizeArgs a{};
   a.layout = make_layout(x.numel(), world_size, group_size);
-  const int64_t G = a.layout.groups_per_segment;
-  TORCH_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " outside [0, ", world_size, ")");
-  if (num_groups < 0) num_groups = G - group_begin;
-  TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
-              group_begin + num_groups, ") outside the segment's ", G);
+  check_rank(rank, world_size, "push_quantize");
+  num_groups =
+      tile_count(group_begin, num_groups, a.layout.groups_per_segment, "the segment's groups", "push_quantize");
   a.src = make_contribution(x, m1, m2, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
-  a.policy = policy_of(policy);
+  a.quantizer = quantizer_of(quantizer);
   a.group_begin = group_begin;
   a.num_groups = num_groups;
   a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
   a.out = make_table(codes, scales, zeros, a.layout, bits, "push_quantize out");
-  for (int j = 0; j < world_size; ++j) {
-    TORCH_CHECK(j == rank || a.out.codes[j] != nullptr, "push_quantize: no destination for segment ", j);
-  }
+  check_entries(a.out, 0, world_size, rank, "destination for segment", "push_quantize");
   echo::launch_push_quantize(a, as_stream(stream));
 }
 
@@ -202,28 +225,24 @@ void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
                   const std::vector<at::Tensor>& in_zeros, const std::vector<at::Tensor>& out_codes,
                   const std::vector<at::Tensor>& out_scales, const std::vector<at::Tensor>& out_zeros,
                   bool update_state, const OptTensor& pow2_amax, int64_t rank, int64_t world_size,
-                  int64_t group_size, int64_t bits, int64_t policy, const std::vector<int64_t>& hadamard_signs,
+                  int64_t group_size, int64_t bits, int64_t quantizer, const std::vector<int64_t>& hadamard_signs,
                   double hadamard_norm, const std::vector<double>& coeffs, int64_t group_begin, int64_t num_groups,
                   int64_t stream) {
   check_tensor(x, "x");
   check_bits(bits);
   echo::OwnerReduceArgs a{};
   a.layout = make_layout(x.numel(), world_size, group_size);
-  const int64_t G = a.layout.groups_per_segment;
-  TORCH_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " outside [0, ", world_size, ")");
-  if (num_groups < 0) num_groups = G - group_begin;
-  TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups [", group_begin, ", ",
-              group_begin + num_groups, ") outside the segment's ", G);
+  check_rank(rank, world_size, "owner_reduce");
+  num_groups =
+      tile_count(group_begin, num_groups, a.layout.groups_per_segment, "the segment's groups", "owner_reduce");
   a.src = make_contribution(x, m1, m2, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
-  a.policy = policy_of(policy);
+  a.quantizer = quantizer_of(quantizer);
   a.group_begin = group_begin;
   a.num_groups = num_groups;
   a.in = make_table(in_codes, in_scales, in_zeros, a.layout, bits, "owner_reduce in");
-  for (int r = 0; r < world_size; ++r) {
-    TORCH_CHECK(r == rank || a.in.codes[r] != nullptr, "owner_reduce: no copy from rank ", r);
-  }
+  check_entries(a.in, 0, world_size, rank, "copy from rank", "owner_reduce");
   a.out = make_table(out_codes, out_scales, out_zeros, a.layout, bits, "owner_reduce out");
   a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
   echo::launch_owner_reduce(a, as_stream(stream));
@@ -239,11 +258,9 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
   check_bits(bits);
   echo::DequantizeArgs a{};
   a.layout = make_layout(out.numel(), world_size, group_size);
-  const int64_t G = a.layout.groups_per_segment;
-  if (num_segments < 0) num_segments = world_size - segment_begin;
-  if (num_groups < 0) num_groups = G - group_begin;
-  TORCH_CHECK(segment_begin >= 0 && segment_begin + num_segments <= world_size, "segments outside [0, P)");
-  TORCH_CHECK(group_begin >= 0 && group_begin + num_groups <= G, "groups outside the segment");
+  num_segments = tile_count(segment_begin, num_segments, world_size, "segments", "dequantize");
+  num_groups =
+      tile_count(group_begin, num_groups, a.layout.groups_per_segment, "the segment's groups", "dequantize");
   a.out = out.data_ptr();
   a.out_dtype = dtype_of(out, "out");
   a.bits = static_cast<int32_t>(bits);
@@ -252,15 +269,12 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
   a.group_begin = group_begin;
   a.num_groups = num_groups;
   a.in = make_table(codes, scales, zeros, a.layout, bits, "dequantize in");
-  for (int64_t j = segment_begin; j < segment_begin + num_segments; ++j) {
-    TORCH_CHECK(a.in.codes[j] != nullptr, "dequantize: no codes for segment ", j);
-  }
+  check_entries(a.in, segment_begin, segment_begin + num_segments, -1, "codes for segment", "dequantize");
   // residual "output": the update of the decoded segments' state, from this rank's x as the entry had it.
   TORCH_CHECK(present(x) == present(m1), "dequantize: the update needs x and the state (m1, m2) together");
   if (present(x)) {
     check_tensor(*x, "x");
-    TORCH_CHECK(x->numel() == out.numel() && x->scalar_type() == out.scalar_type(),
-                "dequantize: x must have out's numel and dtype");
+    check_like(*x, "x", out, "out", "dequantize");
     a.src = make_contribution(*x, m1, m2, true, coeffs, hadamard_signs, hadamard_norm, a.layout);
   } else {
     a.src.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
@@ -276,9 +290,7 @@ void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor&
   echo::Pow2AmaxArgs a{};
   a.layout = make_layout(x.numel(), world_size, group_size);
   a.src = make_contribution(x, m1, m2, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
-  check_tensor(amax_out, "amax_out");
-  TORCH_CHECK(amax_out.scalar_type() == at::kFloat && amax_out.numel() >= 1, "amax_out must be float32 [1]");
-  a.amax_out = amax_out.data_ptr<float>();
+  a.amax_out = scalar_f32(amax_out, "amax_out");
   echo::launch_pow2_amax(a, as_stream(stream));
 }
 
@@ -295,7 +307,7 @@ class P2PRuntime {
         timeout_ns_(timeout_ns) {
     TORCH_CHECK(world_size == 2 || world_size == 4 || world_size == 8,
                 "P2PRuntime: the one-launch transport is built for 2, 4 or 8 ranks, got ", world_size);
-    TORCH_CHECK(rank >= 0 && rank < world_size, "P2PRuntime: rank ", rank, " outside [0, ", world_size, ")");
+    check_rank(rank, world_size, "P2PRuntime");
     TORCH_CHECK(static_cast<int64_t>(codes.size()) == world_size && static_cast<int64_t>(params.size()) == world_size &&
                     static_cast<int64_t>(flags.size()) == world_size,
                 "P2PRuntime: codes, params and flags need one address per rank");
@@ -334,13 +346,13 @@ class P2PRuntime {
   // state), 1 "local", 2 "output"; m1, m2 the state (bf16, padded length) when residual != 0.
   void all_reduce(const at::Tensor& x, const at::Tensor& y, const OptTensor& m1, const OptTensor& m2,
                   const std::vector<double>& coeffs, int64_t residual, int64_t pow2, int64_t group_size, int64_t bits,
-                  int64_t policy, const std::vector<int64_t>& hadamard_signs, double hadamard_norm, int64_t descriptor,
-                  int64_t stream) {
+                  int64_t quantizer, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
+                  int64_t descriptor, int64_t stream) {
     TORCH_CHECK(control_ != nullptr, "P2PRuntime: closed");
     TORCH_CHECK(descriptor >= 0 && descriptor <= 0xffffffffLL, "descriptor must be a 32-bit value");
     check_tensor(x, "x");
     check_tensor(y, "y");
-    TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.numel() == x.numel(), "y must have x's dtype and numel");
+    check_like(y, "y", x, "x", "P2PRuntime");
     TORCH_CHECK(residual >= 0 && residual <= 2, "residual must be 0 (none), 1 (local) or 2 (output)");
     TORCH_CHECK(pow2 >= 0 && pow2 <= 2, "pow2 must be 0 (never), 1 (always) or 2 (auto)");
     TORCH_CHECK((residual != 0) == present(m1), "the state (m1, m2) comes with a residual, and only then");
@@ -351,7 +363,7 @@ class P2PRuntime {
     a.out = y.data_ptr();
     a.rank = static_cast<int32_t>(rank_);
     a.bits = static_cast<int32_t>(bits);
-    a.policy = policy_of(policy);
+    a.quantizer = quantizer_of(quantizer);
     a.update_local = residual == 1;
     a.update_output = residual == 2;
     a.pow2 = static_cast<int32_t>(pow2);
@@ -405,13 +417,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Echo CUDA kernels (echo_ds.ops): entry, owner reduce, dequantize (the compensator's update fused), pow2 amax";
   m.def("push_quantize", &push_quantize, py::arg("x"), py::arg("m1"), py::arg("m2"),
         py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("update_state"), py::arg("pow2_amax"),
-        py::arg("rank"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("policy"),
+        py::arg("rank"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("quantizer"),
         py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("group_begin"),
         py::arg("num_groups"), py::arg("stream"));
   m.def("owner_reduce", &owner_reduce, py::arg("x"), py::arg("m1"), py::arg("m2"),
         py::arg("in_codes"), py::arg("in_scales"), py::arg("in_zeros"), py::arg("out_codes"), py::arg("out_scales"),
         py::arg("out_zeros"), py::arg("update_state"), py::arg("pow2_amax"), py::arg("rank"), py::arg("world_size"),
-        py::arg("group_size"), py::arg("bits"), py::arg("policy"), py::arg("hadamard_signs"),
+        py::arg("group_size"), py::arg("bits"), py::arg("quantizer"), py::arg("hadamard_signs"),
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("group_begin"), py::arg("num_groups"),
         py::arg("stream"));
   m.def("dequantize", &dequantize, py::arg("out"), py::arg("codes"), py::arg("scales"), py::arg("zeros"),
@@ -430,7 +442,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("max_blocks"))
       .def("all_reduce", &P2PRuntime::all_reduce, py::arg("x"), py::arg("y"), py::arg("m1"), py::arg("m2"),
            py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
-           py::arg("policy"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),
+           py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),
            py::arg("stream"))
       .def("close", &P2PRuntime::close)
       .def_property_readonly("max_blocks", &P2PRuntime::max_blocks);

@@ -66,16 +66,16 @@ __device__ __forceinline__ void contribution(const Contribution& s, int64_t e, i
 // than 16 floats: 40 registers instead of 48 for two groups per thread (push_quantize.cu).
 template <typename T, int kBits, int kLanes>
 __device__ __forceinline__ GroupParams quantize_uncompensated_group(const Contribution& s, const RawChunks<T>& r,
-                                                                    int64_t e, int lane, int k, Policy policy,
+                                                                    int64_t e, int lane, int k, Quantizer quantizer,
                                                                     float (&v)[kElemsPerThread],
                                                                     Codes<kBits>& codes) {
   float mn, mx;
   bool finite;
   group_stats_packed<T, kLanes>(r, k, mn, mx, finite);
-  const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy, lane);
+  const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, quantizer, lane);
   StateWords none;  // the uncompensated path has no state
   contribution_from_raw<T, kLanes, true>(s, r, e, lane, k, v, none, none);
-  codes = encode<kBits>(v, p, policy);
+  codes = encode<kBits>(v, p, quantizer);
   return p;
 }
 

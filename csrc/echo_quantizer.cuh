@@ -99,7 +99,7 @@ __device__ __forceinline__ __half group_scale(float raw) {
 // below are float(1.0 / double(b)), which is what quant.reciprocal rounds.
 // `lane`: the thread's lane in its group (the straddling case spreads its four divisions over four lanes).
 template <int kBits, int kLanes>
-__device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool finite, Policy policy, int lane) {
+__device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool finite, Quantizer quantizer, int lane) {
   static_assert(kLanes >= 4, "the straddling case needs four lanes per group");
   constexpr float kLevels = float((1 << kBits) - 1);
   constexpr float kInvLevels = float(1.0 / double((1 << kBits) - 1));
@@ -112,12 +112,12 @@ __device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool f
   const float amax = fmaxf(fabsf(mn), fabsf(mx));
   __half sh;
   __half zh;
-  if (policy == Policy::kSymmetric) {
+  if (quantizer == Quantizer::kSymmetric) {
     sh = group_scale(f_mul(amax, kInvQmax));
     zh = __float2half_rn(kSymZero);
   } else {
     const float s0 = fmaxf(f_mul(f_sub(mx, mn), kInvLevels), f_mul(amax, kInvMaxZeroPoint));
-    if (policy == Policy::kNaive) {
+    if (quantizer == Quantizer::kNaive) {
       sh = group_scale(s0);
       zh = __float2half_rn(f_div(-mn, __half2float(sh)));
     } else {
@@ -305,7 +305,7 @@ __device__ __forceinline__ uint32_t pack_code_pair(int hi, int lo, uint32_t acc)
 // codes of v under p (quant.encode): clip(rint(v * inv + z), q_min, 2^b - 1), 0 for a non-finite group.
 // cvt.rni.s32 rounds half to even and saturates to the int range (NaN to 0), and pack_code_pair clips to
 // [0, 2^b - 1], which gives clip(rint(t), 0, 2^b - 1) for every t; the symmetric grid's q_min = 1 is a max
-// before the packing. The policy and the finite flag are the group's, so their branches sit outside the
+// before the packing. The quantizer and the finite flag are the group's, so their branches sit outside the
 // per-element loop. Word k holds registers kPerWord k .. kPerWord (k + 1) - 1, the lowest in its low bits,
 // so it is built from its last pair of registers down.
 template <int kBits, bool kSymmetric>
@@ -331,14 +331,14 @@ __device__ __forceinline__ Codes<kBits> encode_finite(const float (&v)[kElemsPer
 
 template <int kBits>
 __device__ __forceinline__ Codes<kBits> encode(const float (&v)[kElemsPerThread], const GroupParams& p,
-                                               Policy policy) {
+                                               Quantizer quantizer) {
   if (!p.finite) {
     Codes<kBits> c;
 #pragma unroll
     for (int k = 0; k < Codes<kBits>::kWords; ++k) c.w[k] = 0u;
     return c;
   }
-  return policy == Policy::kSymmetric ? encode_finite<kBits, true>(v, p) : encode_finite<kBits, false>(v, p);
+  return quantizer == Quantizer::kSymmetric ? encode_finite<kBits, true>(v, p) : encode_finite<kBits, false>(v, p);
 }
 
 // fp32 values of codes (quant.decode): (q - z) * s.
@@ -352,13 +352,13 @@ __device__ __forceinline__ void decode(const Codes<kBits>& c, float scale, float
 
 // Full group quantization of v held by the group's lanes.
 template <int kBits, int kLanes>
-__device__ __forceinline__ GroupParams quantize_group(const float (&v)[kElemsPerThread], Policy policy, int lane,
+__device__ __forceinline__ GroupParams quantize_group(const float (&v)[kElemsPerThread], Quantizer quantizer, int lane,
                                                       Codes<kBits>& codes) {
   float mn, mx;
   bool finite;
   group_stats<kLanes>(v, mn, mx, finite);
-  const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, policy, lane);
-  codes = encode<kBits>(v, p, policy);
+  const GroupParams p = compute_params<kBits, kLanes>(mn, mx, finite, quantizer, lane);
+  codes = encode<kBits>(v, p, quantizer);
   return p;
 }
 

@@ -74,7 +74,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kUncompensated)) own
   }
 
   Codes<kBits> codes;
-  const GroupParams p = quantize_group<kBits, kLanes>(acc, a.policy, lane, codes);
+  const GroupParams p = quantize_group<kBits, kLanes>(acc, a.quantizer, lane, codes);
 #pragma unroll
   for (int d = 0; d < kWorld; ++d) {
     if (a.out.codes[d] != nullptr) store_packet_group<kBits, kLanes>(a.out, d, gi, lane, codes, p);

@@ -221,7 +221,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     StateWords m1, m2;
     contribution_from_raw<T, kLanes>(a.src, r, e, lane, k, v, m1, m2);
     Codes<kBits> codes;
-    const GroupParams p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
+    const GroupParams p = quantize_group<kBits, kLanes>(v, a.quantizer, lane, codes);
     store_packet_group<kBits, kLanes>(a.push_out, j, gi, lane, codes, p);
     if (a.update_local) {
       float u[kElemsPerThread];
@@ -299,7 +299,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       for (int i = 0; i < kElemsPerThread; ++i) acc[i] = (r == 0) ? t[i] : f_add(acc[i], t[i]);
     }
     Codes<kBits> codes;
-    const GroupParams p = quantize_group<kBits, kLanes>(acc, a.policy, lane, codes);
+    const GroupParams p = quantize_group<kBits, kLanes>(acc, a.quantizer, lane, codes);
 #pragma unroll
     for (int d = 0; d < kWorld; ++d) store_packet_group<kBits, kLanes>(a.reduce_out, d, gi, lane, codes, p);
     if (a.update_local) {

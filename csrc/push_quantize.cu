@@ -76,10 +76,10 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kUncompensated>())) push
     GroupParams p;
     StateWords m1, m2;
     if constexpr (kUncompensated && sizeof(T) == 2) {
-      p = quantize_uncompensated_group<T, kBits, kLanes>(a.src, r, e, lane, k, a.policy, v, codes);
+      p = quantize_uncompensated_group<T, kBits, kLanes>(a.src, r, e, lane, k, a.quantizer, v, codes);
     } else {
       contribution_from_raw<T, kLanes, kUncompensated>(a.src, r, e, lane, k, v, m1, m2);
-      p = quantize_group<kBits, kLanes>(v, a.policy, lane, codes);
+      p = quantize_group<kBits, kLanes>(v, a.quantizer, lane, codes);
     }
     store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
     if (!kUncompensated && a.src.update_state) {
