@@ -65,31 +65,13 @@ the library's fp16 scale of the same group (mean_scale_ratio = that sum / groups
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
-import json
-import os
-import platform
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from echo_ds import quant as Q  # noqa: E402
-from echo_ds.config import EchoConfig  # noqa: E402
-from echo_ds.eval import perplexity as PPL  # noqa: E402
-from echo_ds.eval.tp_emulation import TPEmulator  # noqa: E402
-
-kShared = "/work/shared/data/shakespeare"
-DEFAULT_TEXTS = (
-    ("default (Tempest)", PPL.kDefaultText),
-    ("macbeth", os.path.join(kShared, "macbeth.txt")),
-    ("hamlet", os.path.join(kShared, "hamlet.txt")),
-)
+import accuracy_study as AS  # benchmarks/: puts the repository on sys.path
+from echo_ds import quant as Q
+from echo_ds.config import EchoConfig
 
 # name -> (group_size, quantizer, parameter format)
 VARIANTS = {
@@ -101,7 +83,6 @@ VARIANTS = {
     "g64_ue5m7_uint4": (64, "zero_aware", "ue5m7_uint4"),
 }
 DEFAULT_VARIANTS = ("g128_fp16", "g64_fp16", "g64_ue5m3_int8", "g64_symmetric_fp16", "g128_ue5m3_int8")
-# Parameter bytes per group on the wire, per format.
 # Parameter bytes per group on the wire, per format.
 PARAM_BYTES = {"fp16": 4, "ue5m3_int8": 2, "ue5m7_uint4": 2, "fp16_nozero": 2}
 
@@ -250,98 +231,37 @@ def self_check() -> None:
 # Emulation
 # ----------------------------------------------------------------------------------------------------
 
-class StudyEmulator(TPEmulator):
-    """TPEmulator that switches the parameter format with the config being evaluated."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.format_of = {}   # id(config) -> (variant name, format)
-
-    def set_config(self, config) -> None:
-        _state["variant"], _state["format"] = self.format_of.get(id(config), (None, "fp16"))
-        super().set_config(config)
+def switch(setting) -> None:
+    """Install a variant's (name, parameter format); None: the 16-bit baseline (fp16, never reached)."""
+    _state["variant"], _state["format"] = setting or (None, "fp16")
 
 
-def make_config(base: EchoConfig, group_size: int, quantizer: str) -> EchoConfig:
-    data = base.model_dump()
-    data.update(group_size=group_size, quantizer=quantizer)
-    return EchoConfig(**data)
+def make_variant(name: str, base: EchoConfig):
+    g, quantizer, fmt = VARIANTS[name]
+    return (AS.config_with(base, group_size=g, quantizer=quantizer), f"g={g}, {quantizer}, params {fmt}",
+            (name, fmt))
+
+
+def annotate(r: dict) -> None:
+    g, quantizer, fmt = VARIANTS[r["name"]]
+    r.update(group_size=g, quantizer=quantizer, param_format=fmt)
+    st = _stats.get(r["name"])
+    if st:
+        r["format_stats"] = dict(st, bumped_share=st["bumped"] / st["groups"],
+                                 mean_scale_ratio=st["scale_ratio_sum"] / st["groups"])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
-    ap.add_argument("--text", action="append", default=[], metavar="NAME=PATH",
-                    help="texts (repeatable; default: the held-out default text, macbeth.txt, hamlet.txt)")
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None)
+    AS.add_arguments(ap, VARIANTS, DEFAULT_VARIANTS)
     args = ap.parse_args()
-    names = args.variants.split(",")
-    for n in names:
-        if n not in VARIANTS:
-            raise SystemExit(f"--variants: unknown {n!r} (choose from {list(VARIANTS)})")
-    texts = [tuple(t.split("=", 1)) for t in args.text] or list(DEFAULT_TEXTS)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
+    names = AS.variant_names(args, VARIANTS)
     self_check()
     Q.compute_params = study_compute_params
     Q.wire_bytes = study_wire_bytes
-
-    from echo_ds.eval.models import load_model
-
-    loaded = load_model("smollm2", dtype=torch.float32, device="cpu")
-    base = EchoConfig()
-    runs = []
-    with StudyEmulator(loaded.model, args.tp) as tp:
-        for text_name, path in texts:
-            text = PPL.read_text(path)
-            sequences = PPL.tokenize_sequences(loaded.tokenizer, text, args.tokens, args.seq_len)
-            variants = []
-            for n in names:
-                g, quantizer, fmt = VARIANTS[n]
-                cfg = make_config(base, g, quantizer)
-                tp.format_of[id(cfg)] = (n, fmt)
-                variants.append(PPL.Variant(n, cfg, None, f"g={g}, {quantizer}, params {fmt}"))
-            _stats.clear()
-            start = time.perf_counter()
-            results = PPL.evaluate(loaded.model, tp, sequences, variants)
-            ref = results[0]["ppl"]
-            for r in results:
-                r["ppl_rel_change"] = r["ppl"] / ref - 1.0
-            for r in results[1:]:
-                g, quantizer, fmt = VARIANTS[r["name"]]
-                r.update(group_size=g, quantizer=quantizer, param_format=fmt)
-                st = _stats.get(r["name"])
-                if st:
-                    r["format_stats"] = dict(st, bumped_share=st["bumped"] / st["groups"],
-                                             mean_scale_ratio=st["scale_ratio_sum"] / st["groups"])
-            runs.append(dict(text=text_name, path=os.path.relpath(path) if not path.startswith(kShared) else path,
-                             text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                             tokens=sum(int(s.numel()) for s in sequences), num_sequences=len(sequences),
-                             seconds=time.perf_counter() - start, results=results))
-            print(f"\n## {text_name}: {runs[-1]['tokens']} tokens, 16-bit ppl {ref:.3f}")
-            print("| variant | bits/value | ppl | vs 16-bit | KL | top-1 |")
-            print("|---|---:|---:|---:|---:|---:|")
-            for r in results:
-                print(f"| {r['name']} | {r['wire_bits_per_element']:.3f} | {r['ppl']:.3f} | "
-                      f"{100 * r['ppl_rel_change']:+.2f}% | {r['kl']:.4f} | {100 * r['top1_agreement']:.1f}% |")
-            sys.stdout.flush()
-            if args.json:   # write after every text, so a partial run leaves its results
-                doc = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                           command="python " + " ".join(sys.argv), model=loaded.name, tokens=args.tokens,
-                           seq_len=args.seq_len, tp=args.tp, machine=platform.platform(),
-                           torch=torch.__version__, num_threads=torch.get_num_threads(),
-                           base_config=base.model_dump(mode="json"),
-                           variants={n: dict(zip(("group_size", "quantizer", "param_format"), VARIANTS[n]))
-                                     for n in names},
-                           param_bytes_per_group=PARAM_BYTES, runs=runs)
-                os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-                Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-    return 0
+    return AS.run(args, names, make_variant, switch, annotate, _stats.clear, dict(
+        variants={n: dict(zip(("group_size", "quantizer", "param_format"), VARIANTS[n])) for n in names},
+        param_bytes_per_group=PARAM_BYTES))
 
 
 if __name__ == "__main__":

@@ -327,6 +327,9 @@ def cli_options(path: Path) -> frozenset:
     files = [path]
     if path.name in ("__init__.py", "__main__.py"):
         files = [p for p in path.parent.glob("*.py") if "add_argument" in p.read_text(encoding="utf-8")] or files
+    # A script's options may come from a module beside it that it imports (benchmarks' shared harness).
+    imported = {a.name for n in ast.walk(module_tree(path)) if isinstance(n, ast.Import) for a in n.names}
+    files += [path.parent / f"{m}.py" for m in sorted(imported) if (path.parent / f"{m}.py").is_file()]
     options = {"--help"}
     for f in files:
         options |= option_literals(f)
