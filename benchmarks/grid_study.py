@@ -195,12 +195,7 @@ def grid_params(groups: torch.Tensor, mode: str):
     (s+ and s- as fp32 tensors holding what the 16 bits encode: S = the larger side's max|x| rounded up to
     10 bits, one bit for which side it is, and k in 1..32 with the other side's scale S k / 32, the
     smallest such scale that covers that side; S k / 32 is exact in fp32)."""
-    mn = groups.amin(dim=1)
-    mx = groups.amax(dim=1)
-    finite = torch.isfinite(mn) & torch.isfinite(mx)
-    zf = torch.zeros_like(mn)
-    mn = torch.where(finite, mn, zf)
-    mx = torch.where(finite, mx, zf)
+    mn, mx, finite = Q.group_range(groups)
     nan = torch.full_like(mn, float("nan")).to(torch.float16)
     if mode == "absmax":
         scale = fp16_scale(torch.maximum(mn.abs(), mx.abs()))

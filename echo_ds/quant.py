@@ -189,17 +189,22 @@ def _levels(bits: int) -> float:
     return float(2**bits - 1)
 
 
+def group_range(groups: torch.Tensor):
+    """(min, max, finite) per group of ``groups`` (fp32 [num_groups, g]); a group with a NaN or an
+    infinity is not finite, and its min and max read 0."""
+    mn = groups.amin(dim=1)
+    mx = groups.amax(dim=1)
+    finite = torch.isfinite(mn) & torch.isfinite(mx)
+    zero_f = torch.zeros_like(mn)
+    return torch.where(finite, mn, zero_f), torch.where(finite, mx, zero_f), finite
+
+
 def compute_params(groups: torch.Tensor, bits: int, quantizer: str):
     """Per-group fp16 (scale, zero) of ``groups`` (fp32, shape [num_groups, g]).
 
     Returns (scale fp16 [num_groups], zero fp16 [num_groups], finite bool [num_groups]).
     """
-    mn = groups.amin(dim=1)
-    mx = groups.amax(dim=1)
-    finite = torch.isfinite(mn) & torch.isfinite(mx)
-    zero_f = torch.zeros_like(mn)
-    mn = torch.where(finite, mn, zero_f)
-    mx = torch.where(finite, mx, zero_f)
+    mn, mx, finite = group_range(groups)
     amax = torch.maximum(mn.abs(), mx.abs())
     L = _levels(bits)
 
