@@ -228,9 +228,11 @@ def test_call_descriptor_round_trip_and_mismatch_message():
     site3 = proto.call_descriptor(**dict(base, site=3, direction="forward"))
     assert site3 != proto.call_descriptor(**dict(base, site=4, direction="forward"))
     assert site3 != proto.call_descriptor(**dict(base, site=3, direction="backward"))
+    assert site3 != proto.call_descriptor(**dict(base, site=3, direction="eval"))  # eval while a peer trains
+    assert proto.decode_descriptor(proto.call_descriptor(**dict(base, pow2="auto")))["pow2_rescale"] == "auto"
     # every field, changed alone, changes the descriptor
     for k, v in dict(numel=1020, dtype="float16", bits=8, group_size=64, quantizer="naive", rotation=False,
-                     pow2=True, residual="output", site=3, direction="forward").items():
+                     pow2="auto", residual="output", site=3, direction="forward").items():
         assert proto.call_descriptor(**dict(base, **{k: v})) != d, k
     other = proto.call_descriptor(**dict(base, bits=8))
     f = proto.WaitFailure(proto.kErrorMismatch, 0, 1, proto.kWaitReduce, 0, 3, d, other, 10, one_launch=True)
