@@ -161,7 +161,8 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   // share of this rank's tensor into control->amax_bits; the last block to arrive publishes the rank's max
   // to every rank (its own included); every block then waits for all P and takes their max.
   // NOTE: the grid is co-resident (the launcher's cap), so the blocks that wait for the last one to arrive
-  // cannot keep it from running.
+  // cannot keep it from running. The wait also orders the state: every block waits for its own rank's
+  // max, published after the last block has read m1 and m2 for it, before any block updates them.
   const float* pow2_amax = nullptr;
   if (a.pow2) {
     __shared__ unsigned warp_max[kThreadsPerBlock / kWarpSize];

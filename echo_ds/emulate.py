@@ -25,6 +25,7 @@ def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: 
     """
     if not parts.is_floating_point():
         raise TypeError(f"parts must be floating point, got {parts.dtype}")
+    A.check_pow2_mode(pow2_rescale, "emulated_echo_all_reduce")
     P = parts.shape[0]
     out_shape = parts.shape[1:]
     if P == 1:
@@ -33,7 +34,6 @@ def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: 
     r = A.rotate_if(A.to_segments(parts, layout), spec)  # [P rank, P segment, G, g]
     if compensator is not None:
         r = r + compensator.correction(r.shape, r.device)
-    A.check_pow2_mode(pow2_rescale, "emulated_echo_all_reduce")
     k = A.pow2_exponent(r.abs().amax(), pow2_rescale) if pow2_rescale else 0
     rs = r * 2.0**k if k else r
 

@@ -351,9 +351,7 @@ class EchoRuntime:
             # Asynchronous on the current stream: every read of x is ordered before later work on it.
             return self.buffer.all_reduce(x, self._spec(bits), compensator=compensator, pow2_rescale=pow2,
                                           site=site.site_id, direction=kind)
-        from echo_ds.reference import echo_all_reduce
-
-        from echo_ds.reference import EchoCallMismatch
+        from echo_ds.reference import EchoCallMismatch, echo_all_reduce
 
         try:
             return echo_all_reduce(x, self._spec(bits), group=site.group, compensator=compensator,

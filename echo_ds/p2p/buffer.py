@@ -56,7 +56,7 @@ from echo_ds.p2p.stages import KernelSchedule, Schedule, TorchSchedule, schedule
 from echo_ds.log import log_once
 from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES
 from echo_ds.quant import QuantSpec
-from echo_ds.reference import check_differentiable_input
+from echo_ds.reference import check_differentiable_input, echo_all_reduce
 
 logger = logging.getLogger("echo_ds.p2p")
 
@@ -462,8 +462,6 @@ class EchoBuffer:
         if not decision:
             if self.active:
                 _warn_once(decision.reason, self.rank)
-            from echo_ds.reference import echo_all_reduce
-
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
                                    site=site, direction=direction)
         self.check()
