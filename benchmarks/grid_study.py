@@ -257,7 +257,7 @@ def study_dequantize_groups(codes, scale, zero, bits: int):
     return grid_decode(Q.unpack(codes, bits), scale, zero, levels, _state["mode"])
 
 
-def study_wire_bytes(numel: int, bits: int, group_size: int) -> int:
+def study_wire_bytes(numel: int, bits: int, group_size: int, quantizer: str = "zero_aware") -> int:
     if bits != 4:
         return _original["wire_bytes"](numel, bits, group_size)
     num_groups = -(-numel // group_size)

@@ -6,7 +6,7 @@
       "enabled": true,
       "bits": 4,                    // 4 or 8
       "group_size": 128,            // power of two, 16..4096
-      "quantizer": "zero_aware",    // "zero_aware" | "symmetric" | "naive"
+      "quantizer": "zero_aware",    // "zero_aware" | "symmetric" | "naive" | "zero_aware_int"
       "rotation": "hadamard",       // "none" | "hadamard"
       "forward":  {"compensate": true, "gain": 1.0, "blend": 0.35, "slow_decay": 0.7,
                    "fast_decay": 0.3, "residual": "local", "pow2_rescale": "auto"},

@@ -26,6 +26,16 @@ Quantizers (``quantizer``):
     lies on one side of zero, more than one code away from it, the naive map is used. In between (a
     one-sided group within one code of zero) the zero-point blends continuously from the naive value to
     the straddling limit. See ``_zero_aware_params``.
+``"zero_aware_int"`` (issue 20: g = 64 in 4.25 bits per value)
+    The zero-aware grid with an integer zero-point ``z`` in [0, 2^b - 1], so that a group's two
+    parameters share 16 bits on the wire: ``z`` in b bits and the scale in the other 16 - b, an unsigned
+    float with fp16's exponent and its top 11 - b mantissa bits (4-bit codes: a 12-bit scale and a 4-bit
+    zero-point, half the parameter bytes of the fp16 pair). A group that straddles zero takes the
+    zero-aware integer zero-point and scale; a group on one side of zero (all-zero groups included)
+    puts 0 at the grid's end, ``z = 0`` and ``s = max / (2^b - 1)`` (or ``z = 2^b - 1`` and
+    ``s = -min / (2^b - 1)``), since a zero-point outside [0, 2^b - 1] cannot be sent. 0 is exact in every
+    group. The scale is rounded up to the packed format. See ``_integer_zero_params`` and
+    ``pack_params``.
 
 Numerics contract (the CUDA kernels reproduce it bit for bit, so the operation order matters):
 
@@ -40,6 +50,8 @@ Numerics contract (the CUDA kernels reproduce it bit for bit, so the operation o
   non-finite values propagate (DeepSpeed's loss scaler then sees the overflow) instead of becoming a
   silent finite number.
 * Padding (the last group of a length that is not a multiple of g) is zeros.
+* ``"zero_aware_int"``'s scale is rounded up to its 16 - b bit format instead of fp16 (an exact carry
+  into the exponent), clamped to [2^(b - 25), the format's largest value] (4-bit: [2^-21, 65280]).
 
 Error bound, per element of a finite group: ``|x_hat - x| <= s/2 + ulp16(z) s`` plus fp32 rounding,
 where the middle term is 0 whenever z is an integer by construction (symmetric, and zero-aware groups
@@ -55,8 +67,10 @@ from typing import Literal
 
 import torch
 
-Quantizer = Literal["zero_aware", "symmetric", "naive"]
-QUANTIZERS = ("zero_aware", "symmetric", "naive")
+Quantizer = Literal["zero_aware", "symmetric", "naive", "zero_aware_int"]
+QUANTIZERS = ("zero_aware", "symmetric", "naive", "zero_aware_int")
+# Quantizers whose scale and zero-point share one 16-bit word on the wire (pack_params).
+PACKED_QUANTIZERS = ("zero_aware_int",)
 SUPPORTED_BITS = (4, 8)
 MIN_GROUP_SIZE = 16
 MAX_GROUP_SIZE = 4096
@@ -111,7 +125,12 @@ class QuantSpec:
         check_quant_args(self.bits, self.group_size, self.quantizer)
 
     def wire_bytes(self, numel: int) -> int:
-        return wire_bytes(numel, self.bits, self.group_size)
+        return wire_bytes(numel, self.bits, self.group_size, self.quantizer)
+
+    @property
+    def bits_per_value(self) -> float:
+        """Bits on the wire per value of a whole group: codes plus the group's parameters."""
+        return 8.0 * group_wire_bytes(self.bits, self.group_size, self.quantizer) / self.group_size
 
 
 @dataclass(frozen=True)
@@ -139,16 +158,22 @@ class Quantized:
 
     @property
     def wire_bytes(self) -> int:
-        """Bytes this tensor takes on the wire: codes plus two fp16 parameters per group."""
-        return self.num_groups * group_wire_bytes(self.bits, self.group_size)
+        """Bytes this tensor takes on the wire: codes plus the parameters of every group."""
+        return self.num_groups * group_wire_bytes(self.bits, self.group_size, self.quantizer)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Sizes on the wire
 # ----------------------------------------------------------------------------------------------------
 
-# Bytes of a group's parameters: its fp16 scale and its fp16 zero-point.
+# Bytes of a group's parameters: its fp16 scale and its fp16 zero-point, or one packed 16-bit word.
 kParamBytesPerGroup = 4
+kPackedParamBytesPerGroup = 2
+
+
+def param_bytes(quantizer: str = "zero_aware") -> int:
+    """Bytes of one group's parameters on the wire."""
+    return kPackedParamBytesPerGroup if quantizer in PACKED_QUANTIZERS else kParamBytesPerGroup
 
 
 def group_code_bytes(bits: int, group_size: int) -> int:
@@ -156,15 +181,15 @@ def group_code_bytes(bits: int, group_size: int) -> int:
     return group_size * bits // 8
 
 
-def group_wire_bytes(bits: int, group_size: int) -> int:
-    """Bytes of one group on the wire: g b / 8 code bytes plus 4 bytes of fp16 scale and zero."""
-    return group_code_bytes(bits, group_size) + kParamBytesPerGroup
+def group_wire_bytes(bits: int, group_size: int, quantizer: str = "zero_aware") -> int:
+    """Bytes of one group on the wire: g b / 8 code bytes plus its parameters (param_bytes)."""
+    return group_code_bytes(bits, group_size) + param_bytes(quantizer)
 
 
-def wire_bytes(numel: int, bits: int, group_size: int) -> int:
-    """Bytes of ``numel`` elements quantized at ``bits`` with one (scale, zero) fp16 pair per group."""
+def wire_bytes(numel: int, bits: int, group_size: int, quantizer: str = "zero_aware") -> int:
+    """Bytes of ``numel`` elements quantized at ``bits``, group_size values and one parameter set per group."""
     num_groups = -(-numel // group_size)
-    return num_groups * group_wire_bytes(bits, group_size)
+    return num_groups * group_wire_bytes(bits, group_size, quantizer)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,6 +237,9 @@ def compute_params(groups: torch.Tensor, bits: int, quantizer: str):
         qmax = float(2 ** (bits - 1) - 1)
         scale = _group_scale(amax * reciprocal(qmax))
         zero = torch.full_like(scale, float(2 ** (bits - 1)))
+    elif quantizer == "zero_aware_int":
+        s0 = torch.maximum((mx - mn) * reciprocal(L), amax * reciprocal(kMaxZeroPoint))
+        scale, zero = _integer_zero_params(mn, mx, s0, L, bits)
     else:
         # Naive scale, floored so that |zero| <= kMaxZeroPoint codes.
         s0 = torch.maximum((mx - mn) * reciprocal(L), amax * reciprocal(kMaxZeroPoint))
@@ -243,14 +271,7 @@ def _zero_aware_params(mn, mx, s0, L):
     pos_blend = (mn >= 0) & (mn < s0)
     neg_blend = (mx <= 0) & (-mx < s0)
     z0 = -mn / s0
-
-    zf = torch.clamp(torch.floor(z0), 1.0, L - 1.0)
-    zc = torch.clamp(torch.ceil(z0), 1.0, L - 1.0)
-    sf = torch.maximum(-mn / zf, mx / (L - zf))
-    sc = torch.maximum(-mn / zc, mx / (L - zc))
-    use_ceil = sc < sf
-    zs = torch.where(use_ceil, zc, zf)
-    ss = torch.where(use_ceil, sc, sf)
+    zs, ss = _straddle_params(mn, mx, s0, L)
 
     wp = 1.0 - mn / s0
     zp = z0 + wp * (1.0 - z0)
@@ -265,6 +286,79 @@ def _zero_aware_params(mn, mx, s0, L):
     naive_zero = -mn / scale.float()
     zero = torch.where(straddle, zs, torch.where(pos_blend, zp, torch.where(neg_blend, zn, naive_zero)))
     return scale, zero.to(torch.float16)
+
+
+def _straddle_params(mn, mx, s0, L):
+    """(z, raw scale) of a group that straddles 0 (mn < 0 < mx): of the two integers around
+    z0 = -mn / s0 in [1, L - 1], the one whose widened scale s(z) = max(-mn / z, mx / (L - z)) is smaller
+    (floor on a tie). Computed for every group; meaningful where the group straddles."""
+    z0 = -mn / s0
+    zf = torch.clamp(torch.floor(z0), 1.0, L - 1.0)
+    zc = torch.clamp(torch.ceil(z0), 1.0, L - 1.0)
+    sf = torch.maximum(-mn / zf, mx / (L - zf))
+    sc = torch.maximum(-mn / zc, mx / (L - zc))
+    use_ceil = sc < sf
+    return torch.where(use_ceil, zc, zf), torch.where(use_ceil, sc, sf)
+
+
+def _integer_zero_params(mn, mx, s0, L, bits):
+    """"zero_aware_int" (scale, zero) per group: the zero-aware integer choice where the group straddles 0,
+    else 0 at the end of the grid on the group's side (z = 0, s = mx / L; or z = L, s = -mn / L; an all-zero
+    group takes the first). The scale rounds up to the packed format (packed_scale), which keeps the whole
+    range on the grid under the same z."""
+    straddle = (mn < 0) & (mx > 0)
+    negative = (mx <= 0) & (mn < 0)
+    zs, ss = _straddle_params(mn, mx, s0, L)
+    inv_l = reciprocal(L)
+    raw = torch.where(straddle, ss, torch.where(negative, -mn * inv_l, mx * inv_l))
+    zero = torch.where(straddle, zs, torch.where(negative, torch.full_like(zs, L), torch.zeros_like(zs)))
+    return packed_scale(raw, bits), zero.to(torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The packed parameter word of "zero_aware_int"
+# ----------------------------------------------------------------------------------------------------
+
+def _packed_drop(bits: int) -> int:
+    """fp16 mantissa bits the packed scale drops: the zero-point takes b bits and fp16's sign bit is free."""
+    return bits - 1
+
+
+def packed_scale_range(bits: int):
+    """(smallest, largest) scale of the packed format: the smallest subnormal and the largest finite
+    value of fp16 with ``bits - 1`` low mantissa bits dropped (4-bit: 2^-21 and 65280)."""
+    d = _packed_drop(bits)
+    largest = torch.tensor(0x7C00 - (1 << d), dtype=torch.int16).view(torch.float16).item()
+    return 2.0 ** (d - 24), float(largest)
+
+
+def packed_scale(raw: torch.Tensor, bits: int) -> torch.Tensor:
+    """Smallest packed-format scale >= raw (fp32 in, fp16 out holding it; NaN stays NaN): clamp to the
+    format's range, round up to fp16, then round the bit pattern up to a multiple of 2^(b - 1), which
+    carries into the exponent exactly. The packed grid is part of fp16's, so this is the ceiling of raw."""
+    lo, hi = packed_scale_range(bits)
+    h = fp16_round_up(torch.clamp(raw, min=lo, max=hi))
+    m = (1 << _packed_drop(bits)) - 1
+    b = (h.view(torch.int16).to(torch.int32) + m) & ~m
+    out = b.to(torch.int16).view(torch.float16)
+    return torch.where(torch.isnan(raw), torch.full_like(out, float("nan")), out)
+
+
+def pack_params(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """The 16-bit wire words (int32 values in [0, 2^16)) of packed-format (scale, zero), fp16 each: the
+    scale's fp16 bits without the sign and the dropped mantissa bits, above the zero-point's b bits.
+    A NaN scale (a non-finite group) stays a NaN after unpack_params."""
+    h = scale.contiguous().view(torch.int16).to(torch.int32) & 0x7FFF
+    z = zero.float().to(torch.int32)
+    return ((h >> _packed_drop(bits)) << bits) | z
+
+
+def unpack_params(words: torch.Tensor, bits: int):
+    """(scale fp16, zero fp16) of packed words (any integer dtype holding the 16 bits)."""
+    w = words.to(torch.int32) & 0xFFFF
+    h = ((w >> bits) << _packed_drop(bits)).to(torch.int16).view(torch.float16)
+    z = (w & ((1 << bits) - 1)).to(torch.float16)
+    return h, z
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -365,7 +459,7 @@ def step_bound(q: Quantized) -> torch.Tensor:
     z = q.zero.float()
     L = _levels(q.bits)
     integral = z == torch.round(z)
-    if q.quantizer == "symmetric":
+    if q.quantizer in ("symmetric", "zero_aware_int"):
         exact_zero = torch.ones_like(integral)
     elif q.quantizer == "zero_aware":
         exact_zero = integral & (z >= 1) & (z <= L - 1)

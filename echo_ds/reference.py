@@ -246,21 +246,26 @@ def _check_agreement(rows: List[List[int]], call: int) -> None:
                            f"was exchanged)", fields, call)
 
 
-def _packet(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def _packet(spec: QuantSpec, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """[S, G, c] codes and [S, G] fp16 parameters -> [S, G * quant.group_wire_bytes] bytes on the wire:
-    the codes, then the scales, then the zero-points."""
+    the codes, then the scales, then the zero-points (a packed quantizer: then its 16-bit words)."""
     S = codes.shape[0]
-    return torch.cat((codes.reshape(S, -1), scale.reshape(S, -1).view(torch.uint8),
-                      zero.reshape(S, -1).view(torch.uint8)), dim=1)
+    if spec.quantizer in Q.PACKED_QUANTIZERS:
+        params = (Q.pack_params(scale, zero, spec.bits).to(torch.int16).reshape(S, -1).view(torch.uint8),)
+    else:
+        params = (scale.reshape(S, -1).view(torch.uint8), zero.reshape(S, -1).view(torch.uint8))
+    return torch.cat((codes.reshape(S, -1),) + params, dim=1)
 
 
-def _unpacket(buf: torch.Tensor, num_groups: int, code_bytes: int):
+def _unpacket(spec: QuantSpec, buf: torch.Tensor, num_groups: int):
     S = buf.shape[0]
-    n_codes = num_groups * code_bytes
-    codes = buf[:, :n_codes].reshape(S, num_groups, code_bytes)
-    scale = buf[:, n_codes:n_codes + 2 * num_groups].contiguous().view(torch.float16)
-    zero = buf[:, n_codes + 2 * num_groups:].contiguous().view(torch.float16)
-    return codes, scale, zero
+    n_codes = num_groups * Q.group_code_bytes(spec.bits, spec.group_size)
+    codes = buf[:, :n_codes].reshape(S, num_groups, -1)
+    params = buf[:, n_codes:].contiguous()
+    if spec.quantizer in Q.PACKED_QUANTIZERS:
+        scale, zero = Q.unpack_params(params.view(torch.int16), spec.bits)
+        return codes, scale, zero
+    return codes, params[:, :2 * num_groups].view(torch.float16), params[:, 2 * num_groups:].view(torch.float16)
 
 
 def _agree(x: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator], pow2_rescale,
@@ -327,7 +332,6 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
 
     layout = A.Layout(x.numel(), world_size, spec.group_size)
     G = layout.groups_per_segment
-    code_bytes = Q.group_code_bytes(spec.bits, spec.group_size)
     others = [j for j in range(world_size) if j != rank]
 
     # Entry: rotate, compensate; the descriptor exchange (with the pow2 max); rescale; quantize the
@@ -341,15 +345,15 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     sent = A.quantize_segments(rs[others], spec)
 
     # All-to-all: segment j to its owner j (nothing to self).
-    packet_bytes = G * Q.group_wire_bytes(spec.bits, spec.group_size)
-    send = _packet(*sent).reshape(-1)
+    packet_bytes = G * Q.group_wire_bytes(spec.bits, spec.group_size, spec.quantizer)
+    send = _packet(spec, *sent).reshape(-1)
     recv = torch.empty((world_size - 1) * packet_bytes, dtype=torch.uint8, device=x.device)
     splits = [0 if j == rank else packet_bytes for j in range(world_size)]
     call.run("all-to-all", lambda: dist.all_to_all_single(recv, send, output_split_sizes=splits,
                                                           input_split_sizes=splits, group=group, async_op=True))
 
     # Owner reduce: fp32 sum in rank order, own copy unquantized; requantize once.
-    copies = A.dequantize_segments(*_unpacket(recv.view(world_size - 1, -1), G, code_bytes), spec)
+    copies = A.dequantize_segments(*_unpacket(spec, recv.view(world_size - 1, -1), G), spec)
     terms = torch.empty((world_size, G, spec.group_size), dtype=torch.float32, device=x.device)
     terms[others] = copies
     terms[rank] = rs[rank]
@@ -358,9 +362,9 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
 
     # All-gather of the reduced codes; every rank dequantizes the same codes.
     gathered = torch.empty(world_size * packet_bytes, dtype=torch.uint8, device=x.device)
-    mine = _packet(*reduced).reshape(-1)
+    mine = _packet(spec, *reduced).reshape(-1)
     call.run("all-gather", lambda: _all_gather(gathered, mine, group=group, async_op=True))
-    s_hat_scaled = A.dequantize_segments(*_unpacket(gathered.view(world_size, -1), G, code_bytes), spec)
+    s_hat_scaled = A.dequantize_segments(*_unpacket(spec, gathered.view(world_size, -1), G), spec)
     s_hat = s_hat_scaled * 2.0**-k if k else s_hat_scaled
     y = A.from_segments(A.unrotate_if(s_hat, spec), layout, x.shape, x.dtype)
 

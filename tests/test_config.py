@@ -27,7 +27,7 @@ def test_defaults_are_the_documented_schema():
     ({"group_size": 100}, "echo.group_size", "100", "power of two"),
     ({"group_size": 8}, "echo.group_size", "8", "[16, 4096]"),
     ({"group_size": 8192}, "echo.group_size", "8192", "[16, 4096]"),
-    ({"quantizer": "nf4"}, "echo.quantizer", "'nf4'", "'zero_aware', 'symmetric' or 'naive'"),
+    ({"quantizer": "nf4"}, "echo.quantizer", "'nf4'", "'zero_aware', 'symmetric', 'naive' or 'zero_aware_int'"),
     ({"rotation": "dct"}, "echo.rotation", "'dct'", "'none' or 'hadamard'"),
     ({"backend": "nccl"}, "echo.backend", "'nccl'", "'auto', 'reference' or 'p2p'"),
     ({"min_message_bytes": -1}, "echo.min_message_bytes", "-1", "greater than or equal to 0"),

@@ -146,11 +146,14 @@ def test_edge_groups(quantizer, bits):
     err = (y - x).abs()
     assert torch.all(err <= Q.step_bound(q)[:, None])
     assert torch.all(y[0] == 0)
-    assert torch.allclose(y[1], x[1], rtol=2**-10, atol=0)
-    # Subnormal scales keep small values (rounded up, never flushed to zero); below 2^-24 the error is
-    # at most half the smallest subnormal: what the backward pass's power-of-two rescaling avoids.
-    assert (y[3] != 0).any()
-    assert (y[4] - x[4]).abs().max() <= 2.0**-25
+    # A constant group: within fp16's resolution, or the packed scale's where z = 0 forces code 2^b - 1.
+    assert torch.allclose(y[1], x[1], rtol=2**-7 if quantizer == "zero_aware_int" else 2**-10, atol=0)
+    # Subnormal scales keep small values (rounded up, never flushed to zero); below the smallest scale
+    # (fp16's 2^-24; the packed format's 2^(b - 25)) the error is at most half of it: what the power-of-two
+    # rescaling avoids.
+    smallest = Q.packed_scale_range(bits)[0] if quantizer == "zero_aware_int" else 2.0**-24
+    assert (y[3] != 0).any() or smallest > x[3].abs().max() * 2
+    assert (y[4] - x[4]).abs().max() <= smallest / 2
 
 
 def test_saturates_instead_of_inf():
@@ -191,6 +194,79 @@ def test_wire_bytes():
     assert Q.wire_bytes(129, 4, 128) == 136
     assert Q.wire_bytes(256, 8, 128) == 2 * 132
     assert Q.quantize(torch.randn(1000), 4, 128).wire_bytes == Q.wire_bytes(1000, 4, 128)
+
+
+# ----------------------------------------------------------------------------------------------------
+# "zero_aware_int": integer zero-point and a scale that share one 16-bit word
+# ----------------------------------------------------------------------------------------------------
+
+def mixed_groups(num_groups, g, seed):
+    """Activation-like groups plus one-sided ones (far from and within a code of 0) and all-zero ones."""
+    x = activations(num_groups, g, seed)
+    q = num_groups // 8
+    x[:q] = x[:q].abs() + 3.0 * x[:q].abs().amax(1, keepdim=True)      # one-sided, far from 0
+    x[q:2 * q] = -x[q:2 * q].abs()                                     # one-sided negative, touching 0
+    x[2 * q:3 * q] = x[2 * q:3 * q].abs() + 1e-3                       # one-sided, within a code of 0
+    x[3 * q] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_integer_zero_params_are_on_the_packed_grid(bits):
+    x = mixed_groups(400, 64, seed=bits)
+    q = Q.quantize(x, bits, 64, "zero_aware_int")
+    L = 2**bits - 1
+    z = q.zero.float()
+    assert torch.equal(z, torch.round(z)) and bool(((z >= 0) & (z <= L)).all())
+    drop = bits - 1
+    assert bool(((q.scale.view(torch.int16) & ((1 << drop) - 1)) == 0).all()), "scale off the packed grid"
+    lo, hi = Q.packed_scale_range(bits)
+    assert lo == 2.0 ** (bits - 25) and bool((q.scale.float() >= lo).all() and (q.scale.float() <= hi).all())
+    # One-sided groups put 0 at the grid's end on their side; straddling ones keep zero_aware's integer z
+    # under a scale rounded up from the same value.
+    mn, mx = x.amin(1), x.amax(1)
+    assert bool((z[mn >= 0] == 0).all()) and bool((z[mx < 0] == L).all())
+    straddle = (mn < 0) & (mx > 0)
+    za = Q.quantize(x, bits, 64, "zero_aware")
+    assert torch.equal(z[straddle], za.zero.float()[straddle])
+    assert bool((q.scale.float()[straddle] >= za.scale.float()[straddle]).all())
+    assert bool((q.scale.float()[straddle] <= za.scale.float()[straddle] * (1 + 2.0 ** (drop - 10))).all())
+    # Nothing clips, and 0 is exact in every group.
+    y = Q.dequantize(q)
+    assert torch.all((y - x).abs() <= Q.step_bound(q)[:, None])
+    x0 = x.clone()
+    x0[:, ::7] = 0.0
+    assert torch.all(Q.fake_quantize(x0, bits, 64, "zero_aware_int")[:, ::7] == 0)
+
+
+def test_packed_scale_is_the_ceiling_on_its_grid():
+    # fp16's normal range, below both formats' largest values (subnormals have a fixed step)
+    raw = torch.exp(torch.empty(20000).uniform_(-9.0, 10.5, generator=torch.Generator().manual_seed(1)))
+    for bits in BITS:
+        s = Q.packed_scale(raw, bits).float()
+        step = 2.0 ** (bits - 1 - 10) * torch.exp2(torch.floor(torch.log2(s)))  # ulp of the packed format
+        assert bool((s >= raw).all()) and bool((s - step < raw).all())
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_pack_params_round_trip(bits):
+    x = mixed_groups(200, 64, seed=5)
+    x[7, 3] = float("nan")
+    q = Q.quantize(x, bits, 64, "zero_aware_int")
+    words = Q.pack_params(q.scale, q.zero, bits)
+    assert bool(((words >= 0) & (words < 2**16)).all())
+    assert torch.equal(words & (2**bits - 1), q.zero.to(torch.int32))
+    scale, zero = Q.unpack_params(words, bits)
+    assert torch.equal(zero, q.zero)
+    finite = torch.isfinite(q.scale)
+    assert torch.equal(scale[finite], q.scale[finite]) and bool(torch.isnan(scale[7]))
+
+
+def test_integer_zero_fits_g64_in_4_25_bits():
+    spec = Q.QuantSpec(bits=4, group_size=64, quantizer="zero_aware_int")
+    assert Q.group_wire_bytes(4, 64, "zero_aware_int") == 34 and spec.bits_per_value == 4.25
+    assert Q.QuantSpec(bits=4, group_size=128).bits_per_value == 4.25
+    assert Q.quantize(torch.randn(1000), 4, 64, "zero_aware_int").wire_bytes == 16 * 34
 
 
 def test_bad_arguments():

@@ -323,7 +323,7 @@ class EchoRuntime:
                 self.stats.forward_calls += 1
             else:
                 self.stats.backward_calls += 1
-            self.stats.bytes_sent += wire_bytes(numel, bits, self.config.group_size)
+            self.stats.bytes_sent += wire_bytes(numel, bits, self.config.group_size, self.config.quantizer)
             self.stats.bytes_16bit += 2 * numel
             if self.telemetry:
                 self._measure(x, y, site, compensator)

@@ -214,7 +214,7 @@ class BackwardSites(SiteEmulator):
         if self._op is None:
             return exact_reduce(parts)
         bits = self.config.bits  # early-site bits are a forward-pass setting (EchoConfig.bits_for_site)
-        self.stats.record(parts[0].numel(), bits, self.config.group_size, site_index)
+        self.stats.record(parts[0].numel(), bits, self.config.group_size, site_index, self.config.quantizer)
         return self._op(parts, bits=bits)
 
     def _fan_out(self, plan: ColumnSitePlan, x: torch.Tensor) -> tuple:

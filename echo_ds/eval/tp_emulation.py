@@ -225,12 +225,12 @@ class WireStats:
     def bits_per_element(self) -> float:
         return 8.0 * self.num_wire_bytes / self.num_elements if self.num_elements else float("nan")
 
-    def record(self, numel: int, bits: int, group_size: int, site_index: int) -> None:
+    def record(self, numel: int, bits: int, group_size: int, site_index: int, quantizer: str = "zero_aware") -> None:
         """Account one reduce of ``numel`` elements at ``bits`` on the wire."""
         from echo_ds.quant import wire_bytes
 
         self.num_elements += numel
-        self.num_wire_bytes += wire_bytes(numel, bits, group_size)
+        self.num_wire_bytes += wire_bytes(numel, bits, group_size, quantizer)
         self.num_calls += 1
         self.bits_per_site[site_index] = bits
 
@@ -354,7 +354,7 @@ class TPEmulator(SiteEmulator):
         if self.config is None:
             return parts.sum(0)
         bits = self.bits_for_site(site_index)
-        self.stats.record(parts[0].numel(), bits, self.config.group_size, site_index)
+        self.stats.record(parts[0].numel(), bits, self.config.group_size, site_index, self.config.quantizer)
         return _EmulatedForwardReduce.apply(parts, self._op(direction), bits)
 
     def _site_forward(self, plan: SitePlan):

@@ -51,7 +51,7 @@ kErrorMismatch = 3  # the one-launch call: a peer's flag of this call carries a 
 # (12-31).
 DESCRIPTOR_DTYPES = ("float32", "float16", "bfloat16")
 DESCRIPTOR_GROUP_SIZES = (64, 128, 256)
-DESCRIPTOR_QUANTIZERS = ("zero_aware", "symmetric", "naive")
+DESCRIPTOR_QUANTIZERS = ("zero_aware", "symmetric", "naive", "zero_aware_int")
 DESCRIPTOR_RESIDUALS = ("none", "local", "output")
 DESCRIPTOR_POW2 = (False, True, "auto")  # echo_ds.algorithm.POW2_MODES, by code
 kNumelHashBits = 20
