@@ -48,17 +48,21 @@ constexpr int kMaxGroupSize = 256;
 
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // The group quantizer (quant.QUANTIZERS, in that order: echo_ds.ops.kernels.QUANTIZER_CODES).
-enum class Quantizer : int32_t { kZeroAware = 0, kSymmetric = 1, kNaive = 2 };
+enum class Quantizer : int32_t { kZeroAware = 0, kSymmetric = 1, kNaive = 2, kZeroAwareInt = 3 };
 
 // Where the quantized segments live: entry [j] holds segment j (push, dequantize) or the copy of rank j
 // (owner reduce input), or a destination d of the reduced segment (owner reduce output). A null codes
-// pointer means "no such entry". fp16 parameters are passed as their 16-bit patterns.
+// pointer means "no such entry". fp16 parameters are passed as their 16-bit patterns; a packed quantizer
+// ("zero_aware_int", quant.pack_params) keeps its one 16-bit word per group in `scales` and never reads
+// or writes `zeros`.
 struct QuantTable {
   uint8_t* codes[kMaxWorldSize];
   uint16_t* scales[kMaxWorldSize];
   uint16_t* zeros[kMaxWorldSize];
+  int32_t packed;  // 1: scale and zero-point share the word in `scales`
+  int32_t reserved;
 };
-static_assert(sizeof(QuantTable) == 3 * kMaxWorldSize * sizeof(void*), "QuantTable must be three pointer arrays");
+static_assert(sizeof(QuantTable) == 3 * kMaxWorldSize * sizeof(void*) + 8, "QuantTable: three pointer arrays and the format");
 static_assert(offsetof(QuantTable, scales) == kMaxWorldSize * sizeof(void*), "QuantTable.scales offset");
 static_assert(offsetof(QuantTable, zeros) == 2 * kMaxWorldSize * sizeof(void*), "QuantTable.zeros offset");
 

@@ -62,8 +62,8 @@ DType dtype_of(const at::Tensor& t, const char* name) {
 }
 
 Quantizer quantizer_of(int64_t quantizer) {
-  TORCH_CHECK(quantizer >= 0 && quantizer <= 2, "quantizer must be 0 (zero_aware), 1 (symmetric) or 2 (naive), got ",
-              quantizer);
+  TORCH_CHECK(quantizer >= 0 && quantizer <= 3,
+              "quantizer must be 0 (zero_aware), 1 (symmetric), 2 (naive) or 3 (zero_aware_int), got ", quantizer);
   return static_cast<Quantizer>(quantizer);
 }
 
@@ -108,14 +108,20 @@ float* scalar_f32(const at::Tensor& t, const char* name) {
   return t.data_ptr<float>();
 }
 
+// Whether the quantizer's scale and zero-point share one 16-bit word (quant.PACKED_QUANTIZERS).
+bool packed_params(Quantizer q) { return q == Quantizer::kZeroAwareInt; }
+
 // Table of P entries, each with room for groups [0, G) of one segment; an entry with no elements is null.
+// The scales and zeros keep room for the fp16 pair whatever the quantizer (a packed one uses the scales).
 QuantTable make_table(const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
-                      const std::vector<at::Tensor>& zeros, const Layout& l, int64_t bits, const char* name) {
+                      const std::vector<at::Tensor>& zeros, const Layout& l, int64_t bits, Quantizer quantizer,
+                      const char* name) {
   const int P = l.world_size;
   TORCH_CHECK(static_cast<int>(codes.size()) == P && static_cast<int>(scales.size()) == P &&
                   static_cast<int>(zeros.size()) == P,
               name, ": codes, scales and zeros must be lists of world_size = ", P, " tensors");
   QuantTable t{};
+  t.packed = packed_params(quantizer) ? 1 : 0;
   const int64_t code_bytes = l.groups_per_segment * echo::code_bytes_per_group(l.group_size, static_cast<int>(bits));
   for (int j = 0; j < P; ++j) {
     const bool empty = !codes[j].defined() || codes[j].numel() == 0;
@@ -215,7 +221,7 @@ void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2
   a.group_begin = group_begin;
   a.num_groups = num_groups;
   a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
-  a.out = make_table(codes, scales, zeros, a.layout, bits, "push_quantize out");
+  a.out = make_table(codes, scales, zeros, a.layout, bits, a.quantizer, "push_quantize out");
   check_entries(a.out, 0, world_size, rank, "destination for segment", "push_quantize");
   echo::launch_push_quantize(a, as_stream(stream));
 }
@@ -241,16 +247,17 @@ void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
   a.quantizer = quantizer_of(quantizer);
   a.group_begin = group_begin;
   a.num_groups = num_groups;
-  a.in = make_table(in_codes, in_scales, in_zeros, a.layout, bits, "owner_reduce in");
+  a.in = make_table(in_codes, in_scales, in_zeros, a.layout, bits, a.quantizer, "owner_reduce in");
   check_entries(a.in, 0, world_size, rank, "copy from rank", "owner_reduce");
-  a.out = make_table(out_codes, out_scales, out_zeros, a.layout, bits, "owner_reduce out");
+  a.out = make_table(out_codes, out_scales, out_zeros, a.layout, bits, a.quantizer, "owner_reduce out");
   a.pow2_amax = opt_scalar(pow2_amax, "pow2_amax");
   echo::launch_owner_reduce(a, as_stream(stream));
 }
 
 void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
                 const std::vector<at::Tensor>& zeros, const OptTensor& pow2_amax, int64_t world_size,
-                int64_t group_size, int64_t bits, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
+                int64_t group_size, int64_t bits, int64_t quantizer, const std::vector<int64_t>& hadamard_signs,
+                double hadamard_norm,
                 int64_t segment_begin, int64_t num_segments, int64_t group_begin, int64_t num_groups,
                 const OptTensor& x, const OptTensor& m1, const OptTensor& m2, const std::vector<double>& coeffs,
                 int64_t stream) {
@@ -268,7 +275,7 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
   a.num_segments = static_cast<int32_t>(num_segments);
   a.group_begin = group_begin;
   a.num_groups = num_groups;
-  a.in = make_table(codes, scales, zeros, a.layout, bits, "dequantize in");
+  a.in = make_table(codes, scales, zeros, a.layout, bits, quantizer_of(quantizer), "dequantize in");
   check_entries(a.in, segment_begin, segment_begin + num_segments, -1, "codes for segment", "dequantize");
   // residual "output": the update of the decoded segments' state, from this rank's x as the entry had it.
   TORCH_CHECK(present(x) == present(m1), "dequantize: the update needs x and the state (m1, m2) together");
@@ -378,6 +385,7 @@ class P2PRuntime {
       t.codes[idx] = c;
       t.scales[idx] = reinterpret_cast<uint16_t*>(p);
       t.zeros[idx] = reinterpret_cast<uint16_t*>(p + 2 * G);
+      t.packed = packed_params(a.quantizer) ? 1 : 0;
     };
     const int me = static_cast<int>(rank_);
     for (int j = 0; j < world_size_; ++j) {
@@ -427,7 +435,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("group_begin"), py::arg("num_groups"),
         py::arg("stream"));
   m.def("dequantize", &dequantize, py::arg("out"), py::arg("codes"), py::arg("scales"), py::arg("zeros"),
-        py::arg("pow2_amax"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"),
+        py::arg("pow2_amax"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("quantizer"),
         py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("segment_begin"), py::arg("num_segments"),
         py::arg("group_begin"), py::arg("num_groups"), py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("coeffs"),
         py::arg("stream"));

@@ -1,6 +1,6 @@
-// The group quantizer on the device (quant.py), internal to csrc/: a group's statistics, its fp16 parameters
+// The group quantizer on the device (quant.py), internal to csrc/: a group's statistics, its parameters
 // (quant.compute_params), the codes (quant.encode / quant.decode, packed as quant.pack) and their place in a
-// packet table (QuantTable: codes, scales and zero-points per segment).
+// packet table (QuantTable: codes, and scales and zero-points or packed words, per segment).
 #pragma once
 
 #include <cstring>
@@ -91,6 +91,44 @@ __device__ __forceinline__ __half group_scale(float raw) {
   return __float2half_ru(fminf(fmaxf(raw, kFp16MinSubnormal), kFp16Max));
 }
 
+// fp32 scale -> the packed format's scale (quant.packed_scale): fp16 without its kBits - 1 low mantissa
+// bits; clamp to [2^(kBits - 25), the largest such value], round up to fp16, then round the pattern up to
+// a multiple of 2^(kBits - 1) (the carry into the exponent is exact).
+template <int kBits>
+__device__ __forceinline__ __half packed_scale(float raw) {
+  constexpr int kDrop = kBits - 1;
+  constexpr uint32_t kMask = (1u << kDrop) - 1u;
+  constexpr float kMin = kFp16MinSubnormal * float(1 << kDrop);
+  const float max_scale = __half2float(__ushort_as_half(static_cast<uint16_t>(0x7C00u - (1u << kDrop))));
+  const uint32_t h = __half_as_ushort(__float2half_ru(fminf(fmaxf(raw, kMin), max_scale)));
+  return __ushort_as_half(static_cast<uint16_t>((h + kMask) & ~kMask));
+}
+
+// The straddling group's integer zero-point and raw scale (quant._straddle_params): of zf = floor(z0) and
+// zc = ceil(z0), clamped to [1, L - 1], the one with the smaller s(z) = max(-mn / z, mx / (L - z)).
+// Each of the group's lanes computes one of the four quotients (lane % 4, in that order) and two shuffles
+// give every lane both maxima: one division per lane instead of four. The quotients are positive
+// (mn < 0 < mx, zf and zc in [1, L - 1]), so the max does not depend on operand order. Called by all the
+// group's lanes together (mn, mx are the group's).
+template <int kBits, int kLanes>
+__device__ __forceinline__ void straddle_params(float mn, float mx, float z0, int lane, float& z, float& raw) {
+  constexpr float kLevels = float((1 << kBits) - 1);
+  const float zf = fminf(fmaxf(floorf(z0), 1.0f), kLevels - 1.0f);
+  const float zc = fminf(fmaxf(ceilf(z0), 1.0f), kLevels - 1.0f);
+  const bool ceil_lane = (lane & 2) != 0;
+  const bool upper_lane = (lane & 1) != 0;
+  const float zq = ceil_lane ? zc : zf;
+  const float quotient = f_div(upper_lane ? mx : -mn, upper_lane ? f_sub(kLevels, zq) : zq);
+  const unsigned mask = group_mask<kLanes>();
+  const float own_pair = fmaxf(quotient, __shfl_xor_sync(mask, quotient, 1));
+  const float other_pair = __shfl_xor_sync(mask, own_pair, 2);
+  const float sf = ceil_lane ? other_pair : own_pair;
+  const float sc = ceil_lane ? own_pair : other_pair;
+  const bool use_ceil = sc < sf;
+  z = use_ceil ? zc : zf;
+  raw = use_ceil ? sc : sf;
+}
+
 // NOTE: the three divisions by a constant of quant.compute_params (max|x| / (2^(b-1) - 1),
 // (max - min) / (2^b - 1), max|x| / 1024) are products by the fp32 reciprocal, as the reference writes
 // them (quant.reciprocal): PyTorch on a GPU computes `cuda_tensor / python_scalar` that way and on the
@@ -115,6 +153,22 @@ __device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool f
   if (quantizer == Quantizer::kSymmetric) {
     sh = group_scale(f_mul(amax, kInvQmax));
     zh = __float2half_rn(kSymZero);
+  } else if (quantizer == Quantizer::kZeroAwareInt) {
+    // quant._integer_zero_params: zero-aware's integer choice where the group straddles 0, else 0 at the
+    // grid's end on the group's side; the scale rounds up to the packed format.
+    float raw, z;
+    if (mn < 0.0f && mx > 0.0f) {
+      const float s0 = fmaxf(f_mul(f_sub(mx, mn), kInvLevels), f_mul(amax, kInvMaxZeroPoint));
+      straddle_params<kBits, kLanes>(mn, mx, f_div(-mn, s0), lane, z, raw);
+    } else if (mn >= 0.0f) {
+      z = 0.0f;
+      raw = f_mul(mx, kInvLevels);
+    } else {
+      z = kLevels;
+      raw = f_mul(-mn, kInvLevels);
+    }
+    sh = packed_scale<kBits>(raw);
+    zh = __float2half_rn(z);
   } else {
     const float s0 = fmaxf(f_mul(f_sub(mx, mn), kInvLevels), f_mul(amax, kInvMaxZeroPoint));
     if (quantizer == Quantizer::kNaive) {
@@ -127,25 +181,8 @@ __device__ __forceinline__ GroupParams compute_params(float mn, float mx, bool f
       float raw, z;
       bool naive_zero = false;
       if (mn < 0.0f && mx > 0.0f) {
-        // Straddling: the integer zero-point next to z0 in [1, L - 1] with the smaller widened scale,
-        //   sf = max(-mn / zf, mx / (L - zf)),  sc = max(-mn / zc, mx / (L - zc)).
-        // Each of the group's lanes computes one of the four quotients (lane % 4, in that order) and two
-        // shuffles give every lane both maxima: one division per lane instead of four. The quotients are
-        // positive (mn < 0 < mx, zf and zc in [1, L - 1]), so the max does not depend on operand order.
-        const float zf = fminf(fmaxf(floorf(z0), 1.0f), kLevels - 1.0f);
-        const float zc = fminf(fmaxf(ceilf(z0), 1.0f), kLevels - 1.0f);
-        const bool ceil_lane = (lane & 2) != 0;
-        const bool upper_lane = (lane & 1) != 0;
-        const float zq = ceil_lane ? zc : zf;
-        const float quotient = f_div(upper_lane ? mx : -mn, upper_lane ? f_sub(kLevels, zq) : zq);
-        const unsigned mask = group_mask<kLanes>();
-        const float own_pair = fmaxf(quotient, __shfl_xor_sync(mask, quotient, 1));
-        const float other_pair = __shfl_xor_sync(mask, own_pair, 2);
-        const float sf = ceil_lane ? other_pair : own_pair;
-        const float sc = ceil_lane ? own_pair : other_pair;
-        const bool use_ceil = sc < sf;
-        z = use_ceil ? zc : zf;
-        raw = use_ceil ? sc : sf;
+        // Straddling: the integer zero-point next to z0 in [1, L - 1] with the smaller widened scale.
+        straddle_params<kBits, kLanes>(mn, mx, z0, lane, z, raw);
       } else if (mn >= 0.0f && mn < s0) {
         // One-sided positive within one code of 0: blend towards z = 1.
         const float wp = f_sub(1.0f, f_div(mn, s0));
@@ -184,6 +221,33 @@ __device__ __forceinline__ GroupParams params_from_bits(uint16_t scale_bits, uin
   p.inv = 0.0f;  // unused when decoding
   p.finite = true;
   return p;
+}
+
+// The packed word of "zero_aware_int" (quant.pack_params / unpack_params): the scale's fp16 pattern
+// without the sign and its kBits - 1 dropped mantissa bits, above the integer zero-point's kBits bits.
+// A NaN scale (0x7E00) keeps a non-zero mantissa, so it unpacks to NaN.
+template <int kBits>
+__device__ __forceinline__ uint16_t pack_params(const GroupParams& p) {
+  return static_cast<uint16_t>((((p.scale_bits & 0x7FFFu) >> (kBits - 1)) << kBits) | static_cast<uint32_t>(p.zero));
+}
+template <int kBits>
+__device__ __forceinline__ GroupParams params_from_word(uint16_t word) {
+  const uint32_t w = word;
+  return params_from_bits(static_cast<uint16_t>((w >> kBits) << (kBits - 1)),
+                          __half_as_ushort(__uint2half_rn(w & ((1u << kBits) - 1u))));
+}
+
+// A group's parameter words in a packet table: the fp16 scale and zero-point, or the packed word (its
+// zero-point word reads 0 and is ignored) ...
+__device__ __forceinline__ void load_param_bits(const QuantTable& t, int seg, int64_t gi, uint16_t& scale_bits,
+                                                uint16_t& zero_bits) {
+  scale_bits = t.scales[seg][gi];
+  zero_bits = t.packed ? uint16_t(0) : t.zeros[seg][gi];
+}
+// ... and the parameters they hold.
+template <int kBits>
+__device__ __forceinline__ GroupParams table_params(const QuantTable& t, uint16_t scale_bits, uint16_t zero_bits) {
+  return t.packed ? params_from_word<kBits>(scale_bits) : params_from_bits(scale_bits, zero_bits);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -371,8 +435,12 @@ __device__ __forceinline__ void store_packet_group(const QuantTable& t, int seg,
                                                    const Codes<kBits>& codes, const GroupParams& p) {
   store_codes<kBits, kLanes>(t.codes[seg] + gi * kGroupCodeBytes<kBits, kLanes>, lane, codes);
   if (lane == 0) {
-    t.scales[seg][gi] = p.scale_bits;
-    t.zeros[seg][gi] = p.zero_bits;
+    if (t.packed) {
+      t.scales[seg][gi] = pack_params<kBits>(p);
+    } else {
+      t.scales[seg][gi] = p.scale_bits;
+      t.zeros[seg][gi] = p.zero_bits;
+    }
   }
 }
 
@@ -381,7 +449,9 @@ template <int kBits, int kLanes>
 __device__ __forceinline__ Codes<kBits> load_packet_group(const QuantTable& t, int seg, int64_t gi, int lane,
                                                           GroupParams& p) {
   const Codes<kBits> codes = load_codes<kBits, kLanes>(t.codes[seg] + gi * kGroupCodeBytes<kBits, kLanes>, lane);
-  p = params_from_bits(t.scales[seg][gi], t.zeros[seg][gi]);
+  uint16_t scale_bits, zero_bits;
+  load_param_bits(t, seg, gi, scale_bits, zero_bits);
+  p = table_params<kBits>(t, scale_bits, zero_bits);
   return codes;
 }
 

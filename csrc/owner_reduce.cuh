@@ -49,8 +49,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kUncompensated)) own
   for (int r = 0; r < kWorld; ++r) {
     if (r != a.rank) {
       copies[r] = load_codes<kBits, kLanes>(a.in.codes[r] + code_offset, lane);
-      scale_bits[r] = a.in.scales[r][gi];
-      zero_bits[r] = a.in.zeros[r][gi];
+      load_param_bits(a.in, r, gi, scale_bits[r], zero_bits[r]);
     }
   }
 
@@ -66,7 +65,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kUncompensated)) own
         for (int i = 0; i < kElemsPerThread; ++i) t[i] = own[i];
       }
     } else {
-      const GroupParams p = params_from_bits(scale_bits[r], zero_bits[r]);
+      const GroupParams p = table_params<kBits>(a.in, scale_bits[r], zero_bits[r]);
       decode<kBits>(copies[r], p.scale, p.zero, t);
     }
 #pragma unroll

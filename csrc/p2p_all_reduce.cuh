@@ -271,8 +271,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     uint16_t scale_bits[kPrefetch ? kWorld : 1], zero_bits[kPrefetch ? kWorld : 1];
     const auto load_copy = [&](int r, int slot) {
       copies[slot] = load_codes<kBits, kLanes>(a.reduce_in.codes[r] + code_offset, lane);
-      scale_bits[slot] = a.reduce_in.scales[r][gi];
-      zero_bits[slot] = a.reduce_in.zeros[r][gi];
+      load_param_bits(a.reduce_in, r, gi, scale_bits[slot], zero_bits[slot]);
     };
     if constexpr (kPrefetch) {
 #pragma unroll
@@ -293,7 +292,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       } else {
         const int slot = kPrefetch ? r : 0;
         if constexpr (!kPrefetch) load_copy(r, 0);
-        const GroupParams p = params_from_bits(scale_bits[slot], zero_bits[slot]);
+        const GroupParams p = table_params<kBits>(a.reduce_in, scale_bits[slot], zero_bits[slot]);
         decode<kBits>(copies[slot], p.scale, p.zero, t);
       }
 #pragma unroll
@@ -320,7 +319,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     const int64_t code_offset = gi * kGroupCodeBytes<kBits, kLanes>;
     const auto tail_segment = [&](int seg, const Codes<kBits>& codes, uint16_t scale_bits, uint16_t zero_bits) {
       const int64_t e = int64_t(seg) * seg_elems + gi * kGroupSize;
-      const GroupParams p = params_from_bits(scale_bits, zero_bits);
+      const GroupParams p = table_params<kBits>(a.gathered, scale_bits, zero_bits);
       float v[kElemsPerThread];
       if (a.update_output) {
         // u = r' - s_hat / P, r' formed again as the entry formed it (dequantize.cu, kUpdate).
@@ -356,8 +355,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       for (int seg = 0; seg < kWorld; ++seg) {
         if (!wanted(seg)) continue;
         gathered[seg] = load_codes<kBits, kLanes>(a.gathered.codes[seg] + code_offset, lane);
-        scale_bits[seg] = a.gathered.scales[seg][gi];
-        zero_bits[seg] = a.gathered.zeros[seg][gi];
+        load_param_bits(a.gathered, seg, gi, scale_bits[seg], zero_bits[seg]);
       }
 #pragma unroll
       for (int seg = 0; seg < kWorld; ++seg) {
@@ -367,8 +365,9 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
 #pragma unroll 1
       for (int seg = 0; seg < kWorld; ++seg) {
         if (!wanted(seg)) continue;
-        tail_segment(seg, load_codes<kBits, kLanes>(a.gathered.codes[seg] + code_offset, lane),
-                     a.gathered.scales[seg][gi], a.gathered.zeros[seg][gi]);
+        uint16_t scale_bits, zero_bits;
+        load_param_bits(a.gathered, seg, gi, scale_bits, zero_bits);
+        tail_segment(seg, load_codes<kBits, kLanes>(a.gathered.codes[seg] + code_offset, lane), scale_bits, zero_bits);
       }
     }
   }

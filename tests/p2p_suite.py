@@ -280,7 +280,7 @@ def suite(rank, world_size, cfg):
     log(rank, out[-1])
     cpu_ref = CpuReference(cfg.get("cpu_reference", "assert"))
     n_opt = check_options(buf, rank, P, device, cfg["option_numel"], cpu_ref, cfg.get("option_stride", 1))
-    log(rank, f"P={P}: {n_opt} option combinations (of 3 dtypes x 2 bits x 3 quantizers x 2 rotations, group "
+    log(rank, f"P={P}: {n_opt} option combinations (of 3 dtypes x 2 bits x {len(QUANTIZERS)} quantizers x 2 rotations, group "
               f"sizes 16..256, pow2 on a third) bit-identical to the emulator on this device and across ranks")
     n_comp = check_compensated(buf, rank, P, device, cfg["option_numel"], cpu_ref, cfg.get("comp_calls", 4))
     log(rank, f"P={P}: {n_comp} compensated calls (output/local residual x pow2 off/on): outputs and both "

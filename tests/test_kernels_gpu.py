@@ -22,11 +22,12 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 from echo_ds import algorithm as A  # noqa: E402
+from echo_ds import quant as Q  # noqa: E402
 from echo_ds.quant import QuantSpec  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BITS = (4, 8)
-QUANTIZERS = ("zero_aware", "symmetric", "naive")
+QUANTIZERS = Q.QUANTIZERS
 GROUP_SIZES = (64, 128, 256)
 WORLD_SIZES = (2, 3, 4, 8)
 
@@ -107,11 +108,28 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str, fold_ze
                              f"kernel {a[tuple(idx)].item()!r} vs reference {e[tuple(idx)].item()!r}")
 
 
+def packed(spec) -> bool:
+    return spec.quantizer in Q.PACKED_QUANTIZERS
+
+
 def assert_packet(ops, row, layout, spec, codes, scale, zero, what):
     kc, ks, kz = ops.packet_views(row, layout, spec)
     assert_same(kc, codes.reshape(kc.shape), f"{what} codes")
+    if packed(spec):  # one word per group in the scales; the zeros were never written (still poisoned)
+        words = Q.pack_params(scale.reshape(-1), zero.reshape(-1), spec.bits).to(torch.int16)
+        assert_same(ks.view(torch.int16), words, f"{what} packed parameter words")
+        assert bool((kz.view(torch.int16) == -1).all()), f"{what}: a packed quantizer wrote the zeros"
+        return
     assert_same(ks, scale.reshape(-1), f"{what} scales")
     assert_same(kz, zero.reshape(-1), f"{what} zeros", fold_zero_sign=True)
+
+
+def read_packet(ops, row, layout, spec):
+    """(codes, scales fp16, zeros fp16) a kernel wrote into packet ``row`` (a packed quantizer's unpacked)."""
+    kc, ks, kz = ops.packet_views(row, layout, spec)
+    if packed(spec):
+        return (kc,) + Q.unpack_params(ks.view(torch.int16), spec.bits)
+    return kc, ks, kz
 
 
 def packets_holding(ops, layout, spec, segments):
@@ -119,7 +137,11 @@ def packets_holding(ops, layout, spec, segments):
     buf = poison_packets(len(segments), layout, spec, ops)
     for row, (codes, scale, zero) in zip(buf, segments):
         kc, ks, kz = ops.packet_views(row, layout, spec)
-        kc.copy_(codes.reshape(kc.shape)), ks.copy_(scale), kz.copy_(zero)
+        kc.copy_(codes.reshape(kc.shape))
+        if packed(spec):
+            ks.view(torch.int16).copy_(Q.pack_params(scale.reshape(-1), zero.reshape(-1), spec.bits).to(torch.int16))
+        else:
+            ks.copy_(scale), kz.copy_(zero)
     return buf
 
 
@@ -431,7 +453,7 @@ def test_owner_reduce_uncompensated(ops, dtype, P, bits, g):
     sum) for every dtype, world size, bit width and group size; the quantizer cycles."""
     i = REDUCE_UNCOMPENSATED_CASES.index((dtype, P, bits, g))
     gen = torch.Generator(device=dev()).manual_seed(4000 + i)
-    spec = QuantSpec(bits=bits, group_size=g, quantizer=QUANTIZERS[i % 3])
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=QUANTIZERS[i % len(QUANTIZERS)])
     owner_case(ops, P=P, rank=(i * 5) % P, dtype=dtype, spec=spec,
                numel=P * g * (40 + i % 7) - (i * 53) % (P * g), comp_mode="none", local=False,
                pow2=i % 2 == 1, tiled=i % 4 == 3, inf_own=i % 5 == 0, gen=gen)
@@ -450,7 +472,7 @@ def test_dequantize(ops, dtype, bits, rotation, g):
     i = DEQ_CASES.index((dtype, bits, rotation, g))
     gen = torch.Generator(device=dev()).manual_seed(3000 + i)
     P = WORLD_SIZES[i % 4]
-    spec = QuantSpec(bits=bits, group_size=g, quantizer=QUANTIZERS[i % 3], rotation=rotation)
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=QUANTIZERS[i % len(QUANTIZERS)], rotation=rotation)
     numel = P * g * (1 + i % 6) - (i * 29) % (P * g) + 3
     layout = A.Layout(numel, P, g)
     G = layout.groups_per_segment
@@ -692,7 +714,7 @@ def test_one_gigabyte(ops):
     gathered = poison_packets(P, layout, spec, ops)
     ops.owner_reduce(x, rank=rank, world_size=P, spec=spec, copies=ops.packet_table(copies, layout, spec),
                      out=ops.packet_table([gathered[rank] if d == rank else None for d in range(P)], layout, spec))
-    terms = torch.stack([segs[rank] if r == rank else A.dequantize_segments(*ops.packet_views(packets[r], layout, spec), spec)
+    terms = torch.stack([segs[rank] if r == rank else A.dequantize_segments(*read_packet(ops, packets[r], layout, spec), spec)
                          for r in range(P)])
     acc = A.ordered_sum(terms)
     del terms
@@ -705,7 +727,7 @@ def test_one_gigabyte(ops):
             gathered[j].copy_(packets[j])
     y = torch.full((numel,), float("nan"), dtype=torch.float16, device=dev())
     ops.dequantize(y, world_size=P, spec=spec, gathered=ops.packet_table(list(gathered), layout, spec))
-    s_hat = torch.stack([A.dequantize_segments(*ops.packet_views(gathered[j], layout, spec), spec) for j in range(P)])
+    s_hat = torch.stack([A.dequantize_segments(*read_packet(ops, gathered[j], layout, spec), spec) for j in range(P)])
     torch.cuda.synchronize()
     assert_same(y, A.from_segments(s_hat, layout, (numel,), torch.float16), "y")
 

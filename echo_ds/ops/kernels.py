@@ -27,7 +27,7 @@ from echo_ds import quant as Q
 from echo_ds.algorithm import Layout
 from echo_ds.quant import QuantSpec
 
-QUANTIZER_CODES = {"zero_aware": 0, "symmetric": 1, "naive": 2}
+QUANTIZER_CODES = {"zero_aware": 0, "symmetric": 1, "naive": 2, "zero_aware_int": 3}
 # World sizes the kernels are instantiated for (the reference path takes any P). The staged kernels
 # (push_quantize, owner_reduce, dequantize, pow2_amax: ECHO_DISPATCH_WORLD_SIZE in csrc/echo_device.cuh)
 # take P = 3 as well; the one-launch p2p kernel (csrc/p2p_all_reduce.cuh, P2PRuntime in
@@ -121,8 +121,9 @@ def code_bytes(spec: QuantSpec) -> int:
 
 
 def packet_bytes(layout: Layout, spec: QuantSpec) -> int:
-    """Bytes of one segment's packet: G * quant.group_wire_bytes (codes, fp16 scales and zero-points)."""
-    return layout.groups_per_segment * Q.group_wire_bytes(spec.bits, spec.group_size)
+    """Bytes of one segment's packet: G * quant.group_wire_bytes with room for the fp16 scales and zero-points
+    (a packed quantizer's words take the scales' place and leave the zeros unused)."""
+    return layout.groups_per_segment * Q.group_wire_bytes(spec.bits, spec.group_size, "zero_aware")
 
 
 def packet_stride(layout: Layout, spec: QuantSpec) -> int:
@@ -132,7 +133,8 @@ def packet_stride(layout: Layout, spec: QuantSpec) -> int:
 
 
 def packet_views(buf: torch.Tensor, layout: Layout, spec: QuantSpec):
-    """(codes [G, g b/8] uint8, scales [G] fp16, zeros [G] fp16) views of one packet ``buf`` (uint8)."""
+    """(codes [G, g b/8] uint8, scales [G] fp16, zeros [G] fp16) views of one packet ``buf`` (uint8). A packed
+    quantizer's kernels write its 16-bit words (quant.pack_params) into the scales and leave the zeros."""
     G = layout.groups_per_segment
     cb = code_bytes(spec)
     n = G * cb
@@ -268,7 +270,7 @@ def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered:
     m1, m2, k = _state_args(m1, m2, coeffs)
     with torch.cuda.device(out.device):
         ops.dequantize(out, *_table_args(gathered, world_size, out.device), pow2_amax, world_size, spec.group_size,
-                       spec.bits, hs, hn, segment_begin, -1 if num_segments is None else num_segments, group_begin,
+                       spec.bits, QUANTIZER_CODES[spec.quantizer], hs, hn, segment_begin, -1 if num_segments is None else num_segments, group_begin,
                        -1 if num_groups is None else num_groups, x, m1, m2, k, _stream(out.device))
 
 
