@@ -38,6 +38,8 @@ Rows:
   dequantize+rot       ... with the inverse rotation
   dequantize+update    ... with the compensator update of residual "output" (reads x and the state again)
   torch_compensator    the compensator as separate PyTorch ops (echo_ds.compensator): apply + update
+  .../int64            the row above it with quantizer "zero_aware_int" at g = 64 (4.25 bits per value, as
+                       g = 128 with fp16 parameters): twice the groups, one packed parameter word each
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echo_ds import algorithm as A  # noqa: E402
+from echo_ds import quant as Q  # noqa: E402
 from echo_ds.compensator import kStateDtype  # noqa: E402
 from echo_ds.quant import QuantSpec  # noqa: E402
 
@@ -64,7 +67,8 @@ G_SIZE = 128
 ROWS = ("copy", "ds_quantize", "ds_dequantize", "entry", "entry+comp", "entry+rot", "entry+sym",
         "entry+naive", "entry+8bit", "entry+comp+local", "entry+comp+rot+local", "pow2_amax", "owner_reduce",
         "owner_reduce+comp", "owner_reduce+rot", "owner_reduce+comp+rot+local", "dequantize", "dequantize+rot",
-        "dequantize+update", "torch_compensator")
+        "dequantize+update", "torch_compensator", "entry+comp+rot+local/int64",
+        "owner_reduce+comp+rot+local/int64", "dequantize+rot/int64")
 # The compensator's price (second table): (residual, uncompensated passes, compensated passes).
 COMPENSATOR_SUMS = (
     ("local (default, rotated)", ("entry+rot", "owner_reduce+rot", "dequantize+rot"),
@@ -313,6 +317,34 @@ def main():
             tc.update(xp - torch.nn.functional.pad(yf, (0, pad)) / P)
         add("torch_compensator", torch_comp, 2 * n + 8 * padded + 2 * n)
         tc = xf = yf = None
+
+        # The default configuration's three passes with quantizer "zero_aware_int" at g = 64: the same wire
+        # bytes per segment (cb), twice the groups.
+        if only is None or only & {r for r in ROWS if r.endswith("/int64")}:
+            spec64 = QuantSpec(bits=4, group_size=64, quantizer="zero_aware_int", rotation=True)
+            b64 = stage_buffers(n, spec64, dev)
+            b64.x.copy_(x)
+            E.push_quantize(b64.x, rank=0, world_size=P, spec=spec64, out=b64.out_tab)
+            segs = A.rotate_if(A.to_segments(x.reshape(1, -1), b64.layout), spec64)[0]
+            rc, rsc, rz = A.quantize_segments(segs[1], spec64)
+            kc, ks, _ = E.packet_views(b64.send[1], b64.layout, spec64)
+            words = Q.pack_params(rsc.reshape(-1), rz.reshape(-1), 4).to(torch.int16)
+            ok = torch.equal(kc, rc.reshape(kc.shape)) and torch.equal(ks.view(torch.int16), words)
+            del segs, rc, rsc, rz
+            add("entry+comp+rot+local/int64",
+                lambda: E.push_quantize(b64.x, rank=0, world_size=P, spec=spec64, out=b64.out_tab, m1=b64.m1,
+                                        m2=b64.m2, coeffs=coeffs, update_state=True), base + 8 * sent,
+                "bit-exact" if ok else "MISMATCH")
+            copies64 = E.packet_table([None, *b64.send[1:]], b64.layout, spec64)
+            out64 = E.packet_table([b64.gathered[0], None, None, None], b64.layout, spec64)
+            add("owner_reduce+comp+rot+local/int64",
+                lambda: E.owner_reduce(b64.x, rank=0, world_size=P, spec=spec64, copies=copies64, out=out64,
+                                       m1=b64.m1, m2=b64.m2, coeffs=coeffs, update_state=True), owner_bytes + 8 * S)
+            for j in range(1, P):
+                b64.gathered[j].copy_(b64.send[j])
+            add("dequantize+rot/int64", lambda: E.dequantize(b64.y, world_size=P, spec=spec64, gathered=b64.gat_tab),
+                P * cb + 2 * n)
+            b64 = copies64 = out64 = None
 
         for residual, uncompensated, compensated in COMPENSATOR_SUMS:
             if set(uncompensated + compensated) <= set(results):

@@ -237,7 +237,7 @@ def sweep_body(rank, world_size, args):
     dev = torch.device("cuda", torch.cuda.current_device())
     P = world_size
     max_numel = args["max_bytes"] // 2
-    spec = QuantSpec(4, 128, rotation=args["rotation"] == "hadamard")
+    spec = QuantSpec(4, args["group_size"], args["quantizer"], rotation=args["rotation"] == "hadamard")
     rows = []
     for stages in args["stages"]:  # side by side in one run: one buffer per pipeline, one after the other
         buf = EchoBuffer(max_numel=max_numel, tile_bytes=args["tile_bytes"], stages=stages)
@@ -284,6 +284,8 @@ def main(argv=None):
     ap.add_argument("--pingpong", type=int, default=2000, help="round trips of the flag latency test (0: none)")
     ap.add_argument("--rotation", choices=("hadamard", "none"), default="hadamard",
                     help="the quantizer's rotation (default: the default configuration's)")
+    ap.add_argument("--quantizer", default="zero_aware", help="the quantizer (echo_ds.quant.QUANTIZERS)")
+    ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--graph-reps", type=int, default=10,
                     help="calls per CUDA graph for the graph-replay columns (0: no graph timing)")
     ap.add_argument("--pow2", choices=("false", "true", "auto"), default="false",
@@ -294,6 +296,7 @@ def main(argv=None):
 
     cfg = {"min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor, "warmup": args.warmup,
            "iters": args.iters, "stages": args.stages.split(","), "graph_reps": args.graph_reps, "rotation": args.rotation,
+           "quantizer": args.quantizer, "group_size": args.group_size,
            "pow2": {"false": False, "true": True, "auto": "auto"}[args.pow2],
            "tile_bytes": kDefaultTileBytes if args.tile_bytes is None else args.tile_bytes,
            "tile_sweep_bytes": args.tile_sweep_bytes, "tile_sweep": [int(v) for v in args.tile_sweep.split(",")]}

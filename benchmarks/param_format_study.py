@@ -81,10 +81,14 @@ VARIANTS = {
     "g64_symmetric_fp16": (64, "symmetric", "fp16_nozero"),
     "g128_ue5m3_int8": (128, "zero_aware", "ue5m3_int8"),
     "g64_ue5m7_uint4": (64, "zero_aware", "ue5m7_uint4"),
+    # The library's quantizer "zero_aware_int" (the study's ue5m7 + uint4 made exact in closed form):
+    "g64_zero_aware_int": (64, "zero_aware_int", "packed"),
+    "g128_zero_aware_int": (128, "zero_aware_int", "packed"),
+    "g32_zero_aware_int": (32, "zero_aware_int", "packed"),
 }
 DEFAULT_VARIANTS = ("g128_fp16", "g64_fp16", "g64_ue5m3_int8", "g64_symmetric_fp16", "g128_ue5m3_int8")
 # Parameter bytes per group on the wire, per format.
-PARAM_BYTES = {"fp16": 4, "ue5m3_int8": 2, "ue5m7_uint4": 2, "fp16_nozero": 2}
+PARAM_BYTES = {"fp16": 4, "ue5m3_int8": 2, "ue5m7_uint4": 2, "fp16_nozero": 2, "packed": 2}
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,7 @@ def study_compute_params(groups: torch.Tensor, bits: int, quantizer: str):
     return _original_compute_params(groups, bits, quantizer)
 
 
-def study_wire_bytes(numel: int, bits: int, group_size: int) -> int:
+def study_wire_bytes(numel: int, bits: int, group_size: int, quantizer: str = "zero_aware") -> int:
     num_groups = -(-numel // group_size)
     return num_groups * (Q.group_code_bytes(bits, group_size) + PARAM_BYTES[_state["format"]])
 
