@@ -327,7 +327,8 @@ def main(argv=None):
         for r in res["rows"]:
             by_stages.setdefault(r["stages"], []).append(r)
         for stages, rows in by_stages.items():
-            print(f"\nEcho all-reduce, P = {P} ranks, bf16, 4-bit, g = 128, zero_aware, rotation {args.rotation}, "
+            print(f"\nEcho all-reduce, P = {P} ranks, bf16, 4-bit, g = {args.group_size}, {args.quantizer}, "
+                  f"rotation {args.rotation}, "
                   f"compensated: the default forward direction (residual local); pow2_rescale={cfg['pow2']}; {stages}; "
                   f"median of {args.iters} (min..max); host = host time to issue one call; graph = per call of "
                   f"{args.graph_reps} back-to-back calls replayed from one CUDA graph; copy = a device copy of "

@@ -110,7 +110,8 @@ def check_options(buf, rank, P, device, n, cpu_ref, stride=1):
             (d, b, p, r) for d in DTYPES for b in (4, 8) for p in QUANTIZERS for r in (False, True)):
         if i % stride:
             continue
-        spec = QuantSpec(bits, (64, 128, 256, 16)[i % 4], quantizer, rot)
+        # every quantizer meets every group size over the (dtype, bits) rows (8 combinations per row)
+        spec = QuantSpec(bits, (64, 128, 256, 16)[(i + i // 8) % 4], quantizer, rot)
         # never, always (gradient-sized values), "auto" beyond its window (fp16 stays in range)
         pow2 = (False, True, "auto")[i % 3]
         scale = {False: 1.0, True: 1e-5, "auto": 1.0 if dtype == torch.float16 else 1e5}[pow2]
@@ -133,7 +134,7 @@ def check_compensated(buf, rank, P, device, n, cpu_ref, num_calls=4):
         for m, pow2 in enumerate((False, True, "auto")):  # "auto" beyond its window: rescaled
             dcfg = DirectionConfig(residual=residual, gain=0.9)
             comp, comp_emul, comp_cpu = make_compensator(dcfg), make_compensator(dcfg), make_compensator(dcfg)
-            spec = QuantSpec(4, 64, "zero_aware", rotation=m > 0)
+            spec = QuantSpec(4, 64, "zero_aware" if residual == "output" else "zero_aware_int", rotation=m > 0)
             for call in range(num_calls):
                 parts = parts_for(P, n, torch.bfloat16, 1000 + 10 * call + m, device, (1.0, 1e-4, 1e5)[m])
                 x = parts[rank]
@@ -168,7 +169,8 @@ def check_sizes(buf, rank, P, device, sizes, every_rank_below: int):
     lines = []
     for i, (n, dtype_name) in enumerate(sizes):
         dtype = getattr(torch, dtype_name)
-        spec = QuantSpec(4, 128, rotation=i % 3 == 1)
+        rotation = i % 3 == 1
+        spec = QuantSpec(4, 64, "zero_aware_int", rotation) if i % 4 == 3 else QuantSpec(4, 128, rotation=rotation)
         comp = make_compensator(DirectionConfig()) if i % 2 == 0 else None
         parts = parts_for(P, n, dtype, 5000 + i, device)
         x = parts[rank]
