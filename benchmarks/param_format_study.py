@@ -85,6 +85,10 @@ VARIANTS = {
     "g64_zero_aware_int": (64, "zero_aware_int", "packed"),
     "g128_zero_aware_int": (128, "zero_aware_int", "packed"),
     "g32_zero_aware_int": (32, "zero_aware_int", "packed"),
+    # 8-bit codes (a 4th field: the bit width; 4 otherwise): today's g = 128 fp16 pair against the packed
+    # format at g = 64 (an 8-bit zero-point and an 8-bit scale with 3 mantissa bits), both 8.25 bits
+    "g128_fp16_8bit": (128, "zero_aware", "fp16", 8),
+    "g64_zero_aware_int_8bit": (64, "zero_aware_int", "packed", 8),
 }
 DEFAULT_VARIANTS = ("g128_fp16", "g64_fp16", "g64_ue5m3_int8", "g64_symmetric_fp16", "g128_ue5m3_int8")
 # Parameter bytes per group on the wire, per format.
@@ -240,15 +244,21 @@ def switch(setting) -> None:
     _state["variant"], _state["format"] = setting or (None, "fp16")
 
 
+def variant_fields(name: str):
+    """(group_size, quantizer, parameter format, bits) of a variant (4-bit unless it says otherwise)."""
+    fields = VARIANTS[name]
+    return fields if len(fields) == 4 else fields + (4,)
+
+
 def make_variant(name: str, base: EchoConfig):
-    g, quantizer, fmt = VARIANTS[name]
-    return (AS.config_with(base, group_size=g, quantizer=quantizer), f"g={g}, {quantizer}, params {fmt}",
-            (name, fmt))
+    g, quantizer, fmt, bits = variant_fields(name)
+    return (AS.config_with(base, group_size=g, quantizer=quantizer, bits=bits),
+            f"g={g}, {quantizer}, params {fmt}, {bits}-bit", (name, fmt))
 
 
 def annotate(r: dict) -> None:
-    g, quantizer, fmt = VARIANTS[r["name"]]
-    r.update(group_size=g, quantizer=quantizer, param_format=fmt)
+    g, quantizer, fmt, bits = variant_fields(r["name"])
+    r.update(group_size=g, quantizer=quantizer, param_format=fmt, bits=bits)
     st = _stats.get(r["name"])
     if st:
         r["format_stats"] = dict(st, bumped_share=st["bumped"] / st["groups"],
@@ -264,7 +274,7 @@ def main() -> int:
     Q.compute_params = study_compute_params
     Q.wire_bytes = study_wire_bytes
     return AS.run(args, names, make_variant, switch, annotate, _stats.clear, dict(
-        variants={n: dict(zip(("group_size", "quantizer", "param_format"), VARIANTS[n])) for n in names},
+        variants={n: dict(zip(("group_size", "quantizer", "param_format", "bits"), variant_fields(n))) for n in names},
         param_bytes_per_group=PARAM_BYTES))
 
 

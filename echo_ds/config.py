@@ -5,8 +5,8 @@
     "echo": {
       "enabled": true,
       "bits": 4,                    // 4 or 8
-      "group_size": 128,            // power of two, 16..4096
-      "quantizer": "zero_aware",    // "zero_aware" | "symmetric" | "naive" | "zero_aware_int"
+      "group_size": 64,             // power of two, 16..4096
+      "quantizer": "zero_aware_int", // "zero_aware_int" | "zero_aware" | "symmetric" | "naive"
       "rotation": "hadamard",       // "none" | "hadamard"
       "forward":  {"compensate": true, "gain": 1.0, "blend": 0.35, "slow_decay": 0.7,
                    "fast_decay": 0.3, "residual": "local", "pow2_rescale": "auto"},
@@ -176,8 +176,8 @@ class EchoConfig(_Section):
 
     enabled: bool = True
     bits: int = 4
-    group_size: int = 128
-    quantizer: Quantizer = "zero_aware"
+    group_size: int = 64
+    quantizer: Quantizer = "zero_aware_int"
     rotation: Literal["none", "hadamard"] = "hadamard"
     forward: ForwardConfig = Field(default_factory=ForwardConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)

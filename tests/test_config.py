@@ -9,7 +9,7 @@ from echo_ds.config import EchoConfig, EchoConfigError
 
 def test_defaults_are_the_documented_schema():
     cfg = EchoConfig()
-    assert cfg.enabled and cfg.bits == 4 and cfg.group_size == 128 and cfg.quantizer == "zero_aware"
+    assert cfg.enabled and cfg.bits == 4 and cfg.group_size == 64 and cfg.quantizer == "zero_aware_int"
     assert cfg.rotation == "hadamard" and cfg.backend == "auto" and cfg.min_message_bytes == 0
     for d, gain in ((cfg.forward, 1.0), (cfg.backward, 0.75)):
         assert (d.compensate, d.gain, d.blend, d.slow_decay, d.fast_decay, d.residual) == \
@@ -75,7 +75,7 @@ def test_auto_survives_deepspeeds_auto_stripping():
 def test_quant_spec_and_site_bits():
     cfg = EchoConfig(bits=4, group_size=64, rotation="hadamard", early_sites={"bits": 8, "fraction": 0.5})
     spec = cfg.quant_spec()
-    assert (spec.bits, spec.group_size, spec.quantizer, spec.rotation) == (4, 64, "zero_aware", True)
+    assert (spec.bits, spec.group_size, spec.quantizer, spec.rotation) == (4, 64, "zero_aware_int", True)
     assert cfg.quant_spec(bits=8).bits == 8
     assert [cfg.bits_for_site(i, 6) for i in range(6)] == [8, 8, 8, 4, 4, 4]
     assert [EchoConfig().bits_for_site(i, 4) for i in range(4)] == [4, 4, 4, 4]

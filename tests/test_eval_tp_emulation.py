@@ -201,8 +201,8 @@ def test_early_sites_get_their_bits(recording_op):
     (op,) = recording_op.instances
     assert [c[0] for c in op.calls] == [8, 8, 8, 8, 4, 4, 4, 4]
     assert stats.bits_per_site == {i: (8 if i < 4 else 4) for i in range(8)}
-    # Per element on the wire: the codes plus two fp16 parameters (32 bits) per group of 64.
-    assert stats.bits_per_element == pytest.approx((8 + 4) / 2 + 32 / 64)
+    # Per element on the wire: the codes plus one packed 16-bit parameter word per group of 64.
+    assert stats.bits_per_element == pytest.approx((8 + 4) / 2 + 16 / 64)
 
 
 def test_compensator_state_spans_a_pass_and_resets_between_passes():
