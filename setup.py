@@ -3,8 +3,8 @@
 The repository keeps the kernel sources in the top-level ``csrc/``; everything else about the package is
 in pyproject.toml. A built package (wheel, ``pip install .``) gets a copy of ``csrc/`` as
 ``echo_ds/_csrc/``, where ``echo_ds.ops.builder.kernel_sources_dir()`` looks first, so that the op builder
-and the p2p transport's builder can compile outside a checkout. An editable install gets no copy: its
-builders fall back to the checkout's ``csrc/`` (which is then the one being edited). MANIFEST.in puts
+can compile outside a checkout. An editable install gets no copy: its builder falls back to the
+checkout's ``csrc/`` (which is then the one being edited). MANIFEST.in puts
 ``csrc/`` in the sdist, so a wheel built from the sdist has it too.
 
 Ahead-of-time build: with ``DS_BUILD_ECHO=1`` (exactly ``1``, DeepSpeed's convention for its own ops) the

@@ -50,7 +50,7 @@ def _pingpong(buf, rank, n, mode, graph):
     t = buf.transport
     peer = 1 - rank
     # Reserved words of EchoP2PSignals (after `progress`), written only by this benchmark.
-    off = L.Signals.reserved.offset + 4 * (4 if mode == "memop" else 0) + 4 * (2 if graph else 0)
+    off = L.signal_offset("reserved") + 4 * (4 if mode == "memop" else 0) + 4 * (2 if graph else 0)
     mine, theirs = t.local_ptr["signals"] + off, t.peer_ptr[peer]["signals"] + off
     base = 0x20000000 + (0x01000000 if mode == "memop" else 0) + (0x00800000 if graph else 0)
     stream = torch.cuda.Stream()

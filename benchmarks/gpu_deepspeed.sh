@@ -2,7 +2,7 @@
 # The DeepSpeed path on one GPU, in one session: examples/train.py's model trained with AutoTP at P = 2 and 4
 # (16-bit, Echo 4-bit over "reference", Echo 4-bit over "p2p"), then AutoTP inference of the trained weights
 # against 16-bit (benchmarks/deepspeed_gpu.py says what is measured). All ranks share the GPU under MPS,
-# over gloo. Builds first, in parallel: echo_ds.ops (JIT, ~40 s cold), the p2p cubin, DeepSpeed's FusedAdam.
+# over gloo. Builds first, in parallel: echo_ds.ops (JIT, ~40 s cold), DeepSpeed's FusedAdam.
 #
 #   OUT=/some/dir bash benchmarks/gpu_deepspeed.sh
 #   DRIVER_ARGS="..." adds driver arguments (e.g. "--steps 100 --tp-sizes 2"); BUDGET=450 is the whole
@@ -41,7 +41,6 @@ from deepspeed.ops.op_builder import FusedAdamBuilder
 FusedAdamBuilder().load()
 print(f'FusedAdam JIT build + load: {time.perf_counter() - t:.1f} s')" > "$OUT/fused_adam_build.log" 2>&1
   echo "rc=$?" >> "$OUT/fused_adam_build.log" ) &
-python3 -m echo_ds.p2p.builder > /dev/null 2>&1  # the staged transport's kernels (probe, staged calls)
 wait
 tail -n 2 "$OUT/ops_build.log" "$OUT/fused_adam_build.log"
 ADAM=""

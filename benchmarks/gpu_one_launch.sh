@@ -29,7 +29,6 @@ import echo_ds.ops as E
 E.load()
 print(f'echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s')" > "$OUT/ops_build.log" 2>&1
 echo "rc=$?" >> "$OUT/ops_build.log"; tail -3 "$OUT/ops_build.log"
-python3 -m echo_ds.p2p.builder > /dev/null 2>&1  # the staged transport's kernels (probe, staged calls)
 stamp "built"
 
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"

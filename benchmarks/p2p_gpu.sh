@@ -8,15 +8,14 @@
 # Several ranks share the one GPU: MPS is started (and stopped at the end) so that their kernels, the
 # spinning flag waits among them, run side by side; without it the script goes on with time-slicing.
 # ECHO_P2P_QUICK=1 makes it a smoke run (see below).
-# Writes to $OUT: env.txt, build.log, ops_build.log, test.log, p2p_log.txt (the suite's findings),
-# bench.log, bench.json.
+# Writes to $OUT: env.txt, ops_build.log, test.log, p2p_log.txt (the suite's findings), bench.log,
+# bench.json.
 set -u
 OUT=${OUT:-/tmp/p2p_out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 source benchmarks/gpu_env.sh
-export ECHO_DS_BUILD_DIR=/tmp/echo_build
 export ECHO_P2P_LOG=$OUT/p2p_log.txt
 : > "$ECHO_P2P_LOG"
 
@@ -29,16 +28,14 @@ source benchmarks/gpu_mps.sh
 start_mps
 stamp "MPS: $MPS"
 
-# The fused kernels (echo_ds.ops, issue 4) build in the background while the transport runs alone.
-( timeout 240 python3 -c "
+# echo_ds.ops, the one extension (the transport's kernels, the Echo stages, the one-launch call).
+timeout 400 python3 -c "
 import time; t = time.perf_counter()
 import echo_ds.ops as E
 E.load()
-print(f'echo_ds.ops JIT build/load: {time.perf_counter() - t:.1f} s')" > "$OUT/ops_build.log" 2>&1; echo "rc=$?" >> "$OUT/ops_build.log" ) &
-OPS=$!
-
-{ python3 -m echo_ds.p2p.builder; } 2>&1 | tee "$OUT/build.log"
-stamp "transport kernels built"
+print(f'echo_ds.ops JIT build/load: {time.perf_counter() - t:.1f} s')" > "$OUT/ops_build.log" 2>&1
+echo "rc=$?" >> "$OUT/ops_build.log"; tail -3 "$OUT/ops_build.log"
+stamp "echo_ds.ops built"
 
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
 # ECHO_P2P_QUICK=1: a smoke run of about a minute and a half (smaller sizes, 1,000 stress calls, one kill).
@@ -49,10 +46,10 @@ else
   KILLED="killed"
 fi
 {
-  stamp "torch stages (the transport with the fallback stages, while echo_ds.ops builds)"
+  stamp "the transport's launches in one process, and the torch stages (the transport with the fallback stages)"
+  timeout 100 $PYTEST tests/test_p2p_transport_gpu.py --timeout 90
   timeout 100 $PYTEST tests/test_p2p_gpu.py -k "torch_stages" --timeout 90
-  timeout 240 tail --pid=$OPS -f /dev/null; cat "$OUT/ops_build.log"
-  stamp "suites P = 2, 4 (fused kernels where built)"
+  stamp "suites P = 2, 4"
   timeout 180 $PYTEST tests/test_p2p_gpu.py -k "suite" --timeout 120
   stamp "suites done"
 } 2>&1 | tee "$OUT/test.log" | grep -v "^\[.*WARNING"

@@ -38,6 +38,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "echo_p2p.h"
+
 namespace echo {
 
 // World sizes the kernels are built for (ECHO_DISPATCH_WORLD_SIZE); the reference supports any P.
@@ -290,5 +292,68 @@ void p2p_free_control(P2PControl* control);
 // blocks per SM its launch bounds guarantee times the SMs. The grid cap divides it among the ranks that
 // share the device.
 int p2p_resident_blocks();
+
+
+// ---------------------------------------------------------------------------------------------------
+// The staged pipeline's transport (p2p_transport.cu): puts that publish a flag after their data, flag
+// writes with no data, waits that give up after a timeout, and the call's flag base. The memory they
+// order (signal words, control block, error record) is laid out in echo_p2p.h, whose NOTE on flags
+// states the protocol. Every pointer may be a peer's, mapped over CUDA IPC.
+// ---------------------------------------------------------------------------------------------------
+// Copies one put can carry: codes, scales and zeros of one tile for each of the P - 1 peers.
+constexpr int kP2PMaxCopies = 3 * (kMaxWorldSize - 1);
+constexpr int kP2PMaxFlags = kMaxWorldSize - 1;
+// Launch lanes of the puts: one arrival counter each (EchoP2PControl::arrivals).
+constexpr int kP2PNumLanes = 8;
+
+// Copy byte ranges (local -> peers' buffers), then publish one flag per peer with the value
+// control->base + stage_offset.
+struct P2PPutArgs {
+  const void* src[kP2PMaxCopies];
+  void* dst[kP2PMaxCopies];
+  uint64_t num_bytes[kP2PMaxCopies];
+  uint32_t* flag[kP2PMaxFlags];  // peers' signal words (in their EchoP2PSignals)
+  EchoP2PControl* control;       // this rank's
+  uint32_t* local_progress;      // this rank's EchoP2PSignals::progress
+  uint32_t num_copies;
+  uint32_t num_flags;
+  uint32_t stage_offset;
+  uint32_t lane;  // which arrival counter (one per stream that launches puts)
+};
+void launch_p2p_put(const P2PPutArgs& args, cudaStream_t stream);
+
+// A flag write with no data, for a stage whose kernel wrote its data into the peers' buffers itself
+// (earlier on the same stream): value = control->base + stage_offset, or `value` when use_base is 0.
+struct P2PSignalArgs {
+  uint32_t* flag[kP2PMaxFlags];
+  EchoP2PControl* control;
+  uint32_t* local_progress;
+  uint32_t num_flags;
+  uint32_t stage_offset;
+  uint32_t use_base;
+  uint32_t value;
+};
+void launch_p2p_signal(const P2PSignalArgs& args, cudaStream_t stream);
+
+// Spin until every flag equals control->base + stage_offset (or `value` when use_base is 0), or the
+// timeout passes, or the host asks to abort; a failure fills the error record (rank, peer, stage, tile).
+struct P2PWaitArgs {
+  const uint32_t* flag[kP2PMaxFlags];  // this rank's own signal words
+  uint32_t peer[kP2PMaxFlags];         // which peer writes each flag (for the error record)
+  EchoP2PControl* control;
+  EchoP2PErrorRecord* error;  // device address of the mapped record
+  uint64_t timeout_ns;
+  uint32_t num_flags;
+  uint32_t stage_offset;
+  uint32_t use_base;
+  uint32_t value;
+  uint32_t rank;
+  uint32_t stage;  // kWait*
+  uint32_t tile;
+};
+void launch_p2p_wait(const P2PWaitArgs& args, cudaStream_t stream);
+
+// The first thing of every staged call, on the caller's stream: B(c) = 3c in control (echo_p2p.h).
+void launch_p2p_begin_call(EchoP2PControl* control, cudaStream_t stream);
 
 }  // namespace echo

@@ -420,6 +420,157 @@ class P2PRuntime {
 
 }  // namespace
 
+// =====================================================================================================
+// The staged pipeline's transport (p2p_transport.cu)
+// =====================================================================================================
+// One object per prepared launch: CudaTransport (echo_ds/p2p/transport.py) builds them once per
+// schedule from plain addresses, so that a launch is one binding call and Python mirrors no struct. The
+// addresses point into memory that the EchoBuffer owns (its workspace, its peers' mappings, its control
+// block and mapped error record): an object must not be launched after that buffer's close().
+namespace {
+
+template <typename T>
+T* address(int64_t a) {
+  return reinterpret_cast<T*>(static_cast<intptr_t>(a));
+}
+
+uint32_t u32(int64_t v, const char* name, const char* who) {
+  TORCH_CHECK(v >= 0 && v <= 0xffffffffLL, who, ": ", name, " must be a 32-bit value, got ", v);
+  return static_cast<uint32_t>(v);
+}
+
+EchoP2PControl* control_block(int64_t control, const char* who) {
+  TORCH_CHECK(control != 0 && control % 4 == 0, who, ": the control block is required");
+  return address<EchoP2PControl>(control);
+}
+
+// flags (addresses of 32-bit words) -> out; their number.
+template <typename Word>
+uint32_t fill_flags(Word* (&out)[echo::kP2PMaxFlags], const std::vector<int64_t>& flags, const char* who) {
+  TORCH_CHECK(flags.size() <= static_cast<size_t>(echo::kP2PMaxFlags), who, ": at most ", echo::kP2PMaxFlags,
+              " flags, got ", flags.size());
+  for (size_t i = 0; i < flags.size(); ++i) {
+    TORCH_CHECK(flags[i] != 0 && flags[i] % 4 == 0, who, ": flag ", i, " is not an aligned 32-bit word");
+    out[i] = address<Word>(flags[i]);
+  }
+  return static_cast<uint32_t>(flags.size());
+}
+
+// copies: (dst, src, num_bytes); flags: the peers' signal words, published (control->base + stage_offset)
+// by the last block once every copy has landed.
+class P2PPut {
+ public:
+  P2PPut(const std::vector<std::tuple<int64_t, int64_t, int64_t>>& copies, const std::vector<int64_t>& flags,
+         int64_t control, int64_t local_progress, int64_t stage_offset, int64_t lane) {
+    TORCH_CHECK(copies.size() <= static_cast<size_t>(echo::kP2PMaxCopies), "P2PPut: at most ", echo::kP2PMaxCopies,
+                " copies, got ", copies.size());
+    for (size_t i = 0; i < copies.size(); ++i) {
+      const auto [dst, src, num_bytes] = copies[i];
+      TORCH_CHECK(num_bytes >= 0 && (num_bytes == 0 || (dst != 0 && src != 0)), "P2PPut: copy ", i,
+                  " needs a source and a destination");
+      a_.dst[i] = address<void>(dst);
+      a_.src[i] = address<const void>(src);
+      a_.num_bytes[i] = static_cast<uint64_t>(num_bytes);
+    }
+    a_.num_copies = static_cast<uint32_t>(copies.size());
+    a_.num_flags = fill_flags(a_.flag, flags, "P2PPut");
+    a_.control = control_block(control, "P2PPut");
+    a_.local_progress = address<uint32_t>(local_progress);
+    a_.stage_offset = u32(stage_offset, "stage_offset", "P2PPut");
+    TORCH_CHECK(lane >= 0 && lane < echo::kP2PNumLanes, "P2PPut: lane must be in [0, ", echo::kP2PNumLanes, "), got ",
+                lane);
+    a_.lane = static_cast<uint32_t>(lane);
+  }
+  void launch(int64_t stream) const { echo::launch_p2p_put(a_, as_stream(stream)); }
+
+ private:
+  echo::P2PPutArgs a_{};
+};
+
+// flags: the peers' signal words, written (control->base + stage_offset, or `value`) after the stream's
+// earlier work.
+class P2PSignal {
+ public:
+  P2PSignal(const std::vector<int64_t>& flags, int64_t control, int64_t local_progress, int64_t stage_offset,
+            std::optional<int64_t> value) {
+    a_.num_flags = fill_flags(a_.flag, flags, "P2PSignal");
+    a_.control = control_block(control, "P2PSignal");
+    a_.local_progress = address<uint32_t>(local_progress);
+    a_.stage_offset = u32(stage_offset, "stage_offset", "P2PSignal");
+    a_.use_base = value.has_value() ? 0 : 1;
+    a_.value = value.has_value() ? u32(*value, "value", "P2PSignal") : 0;
+  }
+  void launch(int64_t stream) const { echo::launch_p2p_signal(a_, as_stream(stream)); }
+
+ private:
+  echo::P2PSignalArgs a_{};
+};
+
+// flags: this rank's own signal words, peers[i] the rank that writes flags[i]; the stream waits until
+// each holds control->base + stage_offset (or `value`), or timeout_ns passes.
+class P2PWait {
+ public:
+  P2PWait(const std::vector<int64_t>& flags, const std::vector<int64_t>& peers, int64_t control, int64_t error_record,
+          int64_t timeout_ns, int64_t stage_offset, std::optional<int64_t> value, int64_t rank, int64_t stage,
+          int64_t tile) {
+    TORCH_CHECK(peers.size() == flags.size(), "P2PWait: one peer per flag");
+    a_.num_flags = fill_flags(a_.flag, flags, "P2PWait");
+    for (size_t i = 0; i < peers.size(); ++i) a_.peer[i] = u32(peers[i], "peer", "P2PWait");
+    a_.control = control_block(control, "P2PWait");
+    TORCH_CHECK(error_record != 0, "P2PWait: the error record is required");
+    a_.error = address<EchoP2PErrorRecord>(error_record);
+    TORCH_CHECK(timeout_ns > 0, "P2PWait: timeout_ns must be positive");
+    a_.timeout_ns = static_cast<uint64_t>(timeout_ns);
+    a_.stage_offset = u32(stage_offset, "stage_offset", "P2PWait");
+    a_.use_base = value.has_value() ? 0 : 1;
+    a_.value = value.has_value() ? u32(*value, "value", "P2PWait") : 0;
+    a_.rank = u32(rank, "rank", "P2PWait");
+    a_.stage = u32(stage, "stage", "P2PWait");
+    a_.tile = u32(tile, "tile", "P2PWait");
+  }
+  void launch(int64_t stream) const { echo::launch_p2p_wait(a_, as_stream(stream)); }
+
+ private:
+  echo::P2PWaitArgs a_{};
+};
+
+void p2p_begin_call(int64_t control, int64_t stream) {
+  echo::launch_p2p_begin_call(control_block(control, "p2p_begin_call"), as_stream(stream));
+}
+
+// echo_p2p.h's ECHO_P2P_LAYOUT_LIST as {name: value}.
+pybind11::dict p2p_transport_layout() {
+  pybind11::dict layout;
+#define ECHO_P2P_LAYOUT_ITEM(name, value) layout[name] = static_cast<int64_t>(value);
+  ECHO_P2P_LAYOUT_LIST(ECHO_P2P_LAYOUT_ITEM)
+#undef ECHO_P2P_LAYOUT_ITEM
+  return layout;
+}
+
+void bind_p2p_transport(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<P2PPut>(m, "P2PPut")
+      .def(py::init<const std::vector<std::tuple<int64_t, int64_t, int64_t>>&, const std::vector<int64_t>&, int64_t,
+                    int64_t, int64_t, int64_t>(),
+           py::arg("copies"), py::arg("flags"), py::arg("control"), py::arg("local_progress"), py::arg("stage_offset"),
+           py::arg("lane"))
+      .def("launch", &P2PPut::launch, py::arg("stream"));
+  py::class_<P2PSignal>(m, "P2PSignal")
+      .def(py::init<const std::vector<int64_t>&, int64_t, int64_t, int64_t, std::optional<int64_t>>(), py::arg("flags"),
+           py::arg("control"), py::arg("local_progress"), py::arg("stage_offset"), py::arg("value"))
+      .def("launch", &P2PSignal::launch, py::arg("stream"));
+  py::class_<P2PWait>(m, "P2PWait")
+      .def(py::init<const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t,
+                    std::optional<int64_t>, int64_t, int64_t, int64_t>(),
+           py::arg("flags"), py::arg("peers"), py::arg("control"), py::arg("error_record"), py::arg("timeout_ns"),
+           py::arg("stage_offset"), py::arg("value"), py::arg("rank"), py::arg("stage"), py::arg("tile"))
+      .def("launch", &P2PWait::launch, py::arg("stream"));
+  m.def("p2p_begin_call", &p2p_begin_call, py::arg("control"), py::arg("stream"));
+  m.def("p2p_transport_layout", &p2p_transport_layout);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "Echo CUDA kernels (echo_ds.ops): entry, owner reduce, dequantize (the compensator's update fused), pow2 amax";
@@ -460,4 +611,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("kMaxWorldSize") = echo::kMaxWorldSize;
   m.attr("kMinGroupSize") = echo::kMinGroupSize;
   m.attr("kMaxGroupSize") = echo::kMaxGroupSize;
+  bind_p2p_transport(m);
 }

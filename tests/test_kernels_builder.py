@@ -49,11 +49,9 @@ def test_a_chunk_size_the_layout_does_not_take_fails_to_build(tmp_path):
     assert "chunks of 4, 8 or 16 elements" in proc.stdout + proc.stderr
 
 
-def test_both_builders_take_their_sources_from_one_place():
-    from echo_ds.p2p import builder as p2p
-
+def test_the_builder_takes_its_sources_from_one_place():
     root = kernel_sources_dir()
-    assert CSRC_DIR == root and p2p.CSRC_DIR == root / "p2p"
+    assert CSRC_DIR == root
     if Path(echo_ds.__file__).resolve().parent == REPO / "echo_ds" and not (REPO / "echo_ds" / "_csrc").exists():
         # A checkout (editable install): the top-level csrc/, edited in place, no copy.
         # (An installed wheel's echo_ds/_csrc is tested by test_packaging.py.)
@@ -62,9 +60,13 @@ def test_both_builders_take_their_sources_from_one_place():
     for path in builder.sources() + [str(CSRC_DIR / h) for h in HEADERS]:
         assert Path(path).is_file(), path
     assert builder.include_paths() == [str(root)]
-    for name in p2p.SOURCES + p2p.HEADERS:
-        assert (p2p.CSRC_DIR / name).is_file(), name
     assert not any("kernel source" in m for m in builder.missing_requirements())
+
+
+def test_every_source_and_header_of_csrc_is_the_builders():
+    """One extension: csrc/ holds the builder's files and nothing else (no second build)."""
+    on_disk = sorted(p.relative_to(CSRC_DIR).as_posix() for p in CSRC_DIR.rglob("*") if p.is_file())
+    assert on_disk == sorted(SOURCES + HEADERS)
 
 
 # ----------------------------------------------------------------------------------------------------

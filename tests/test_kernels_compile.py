@@ -5,13 +5,16 @@ No GPU is needed: each .cu is compiled to an object with the flags the op builde
 multiply-adds (the kernels' numerics forbid them, but for products by +-1, which round once like the
 addition they are), and the torch binding is compiled against the headers
 of the installed torch package (a CPU wheel will do). The compile test skips with a reason where nvcc is
-absent; the source-list and spill-parser tests run everywhere.
+absent; the source-list and spill-parser tests run everywhere. The p2p transport's layout header
+(csrc/echo_p2p.h) is compiled with the host compiler, and what it exports is compared with the Python
+side (skipped without a host compiler).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sysconfig
 import tempfile
@@ -21,6 +24,8 @@ from pathlib import Path
 import pytest
 
 from echo_ds.ops.builder import CSRC_DIR, EXACT_FP_NVCC_FLAGS, SOURCES, cxx_std, find_nvcc
+from echo_ds.p2p import layout as L
+from echo_ds.p2p import transport
 
 NVCC = find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or PATH)")
@@ -165,3 +170,36 @@ def test_spill_lines_are_recognised():
     assert _spilled_functions("ptxas info    : Used 64 registers, used 0 barriers") == []
     assert _spilled_functions("some other spill message") == ["(unparsed) some other spill message"]
     assert _spilled_functions(line + "\nsome other spill message")[1] == "(unparsed) some other spill message"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The p2p transport's layout: csrc/echo_p2p.h under the host compiler against echo_ds/p2p/layout.py
+# ----------------------------------------------------------------------------------------------------
+
+PRINT_LAYOUT = r"""
+#include <cstdio>
+#include "echo_p2p.h"
+int main() {
+#define PRINT(name, value) std::printf("%s %llu\n", name, static_cast<unsigned long long>(value));
+  ECHO_P2P_LAYOUT_LIST(PRINT)
+  return 0;
+}
+"""
+
+
+def test_transport_layout_header_equals_the_python_side(tmp_path):
+    """The header's static_asserts hold under the host compiler; the values it exports (the extension's
+    p2p_transport_layout(), from the same list) are layout.py's and name every word the CUDA transport
+    reads or writes. (EchoBuffer compares layout.py with the loaded extension itself: L.check_layout.)"""
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    src, exe = tmp_path / "layout.cc", tmp_path / "layout"
+    src.write_text(PRINT_LAYOUT)
+    subprocess.run([cxx, "-std=c++17", "-I", str(CSRC_DIR), str(src), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    header = {name: int(value) for name, value in (line.split() for line in out.splitlines())}
+    assert {k: header.get(k) for k in L.SIGNALS_LAYOUT} == L.SIGNALS_LAYOUT
+    used = {"control_bytes", "control.call_index", "control.poisoned", "error_bytes"}
+    used |= {"error." + w for w in transport._RECORD_WORDS + ("abort_request", "one_launch")}
+    assert used <= header.keys(), sorted(used - header.keys())

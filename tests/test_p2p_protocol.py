@@ -79,14 +79,35 @@ def test_timeout_message_names_rank_peer_stage_and_call():
 # Layout
 # ----------------------------------------------------------------------------------------------------
 
-def test_ctypes_mirror_matches_the_header_constants():
-    assert L.expected_layout()[-3:] == (8, 64, 21)
+def test_signal_offsets_address_the_headers_arrays():
+    # The arrays' origins are layout.SIGNALS_LAYOUT, checked against csrc/echo_p2p.h by
+    # tests/test_kernels_compile.py; the strides are the header's array shapes.
+    assert (L.kMaxWorld, L.kMaxTiles) == (8, 64)
     assert L.signal_offset("push", 0, 0) == 0
     assert L.signal_offset("gather", 1, 2) == 2048 + 4 * (64 + 2)
     assert L.signal_offset("amax", 3) == 4128 + 12
     assert L.signal_offset("probe", 2, 3) == 4160 + 4 * 11
     with pytest.raises(KeyError):
         L.signal_offset("nope")
+
+
+def test_check_layout_names_what_drifted():
+    class Extension:  # what check_layout reads of echo_ds.ops' module
+        kP2PFlagsBytes, kP2PMaxBlocks = L.kFusedFlagsBytes, L.kFusedMaxBlocks
+
+        def __init__(self, **changed):
+            self.layout = {**L.SIGNALS_LAYOUT, "control_bytes": 128, **changed}
+
+        def p2p_transport_layout(self):
+            return self.layout
+
+    L.check_layout(Extension())
+    with pytest.raises(RuntimeError, match="signals.gather: 2048 here, 2052 compiled"):
+        L.check_layout(Extension(**{"signals.gather": 2052}))
+    drifted = Extension()
+    drifted.kP2PMaxBlocks = 512
+    with pytest.raises(RuntimeError, match="one-launch flag area"):
+        L.check_layout(drifted)
 
 
 @pytest.mark.parametrize("P", (2, 4, 8))
@@ -189,13 +210,7 @@ def test_one_launch_flag_area_matches_the_kernels_header():
     # push and gather [world][blocks] uint64, amax_flag [world] uint64, amax [world] float, 8 reserved words
     assert L.kFusedFlagsBytes == 2 * 8 * world * blocks + 8 * world + 4 * world + 32
     assert L.signal_bytes() == L.kFusedFlagsOffset + L.kFusedFlagsBytes
-    assert L.kFusedFlagsOffset >= ctypes_sizeof_signals() and L.kFusedFlagsOffset % 256 == 0
-
-
-def ctypes_sizeof_signals() -> int:
-    import ctypes
-
-    return ctypes.sizeof(L.Signals)
+    assert L.kFusedFlagsOffset >= L.SIGNALS_LAYOUT["signals_bytes"] and L.kFusedFlagsOffset % 256 == 0
 
 
 def test_one_launch_failure_names_block_and_call():

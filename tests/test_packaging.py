@@ -1,10 +1,10 @@
-"""A built wheel carries the kernel sources: its builders find them without a checkout (CPU, no network).
+"""A built wheel carries the kernel sources: its builder finds them without a checkout (CPU, no network).
 
 The packaging inputs are copied to a temporary directory (so that the build leaves no build/ or
 echo_ds/_csrc/ in the checkout), built with ``pip wheel --no-deps --no-build-isolation``, installed with
 ``pip install --no-deps --target``, and imported by a Python whose only path to echo_ds is that target
 and whose working directory is outside the repository. Every source file, header and include directory
-that the two builders name must then exist under the target, and none under the repository.
+that the builder names must then exist under the target, and none under the repository.
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGING_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "echo_ds", "csrc")
 MARK = "ECHO_PACKAGING_REPORT "
 
-# Runs in the installed copy: what each builder would compile, as absolute paths.
+# Runs in the installed copy: what the builder would compile, as absolute paths.
 REPORT = r"""
 import json, echo_ds
 from echo_ds.ops import builder as ops_builder
-from echo_ds.p2p import builder as p2p_builder
 
 b = ops_builder.EchoBuilder()
-p2p = p2p_builder.CSRC_DIR
 print(MARK + json.dumps({
     "package": echo_ds.__file__,
     "kernel_sources_dir": str(ops_builder.kernel_sources_dir()),
@@ -38,9 +36,6 @@ print(MARK + json.dumps({
     "ops_includes": b.include_paths(),
     "ops_headers": [str(ops_builder.CSRC_DIR / h) for h in ops_builder.HEADERS],
     "ops_missing": b.missing_requirements(),
-    "p2p_sources": [str(p2p / s) for s in p2p_builder.SOURCES],
-    "p2p_headers": [str(p2p / h) for h in p2p_builder.HEADERS],
-    "p2p_includes": [str(p2p)],
 }))
 """
 
@@ -55,10 +50,10 @@ def _under(path: str, root: Path) -> bool:
     return Path(path).resolve().is_relative_to(root.resolve())
 
 
-def test_wheel_ships_the_kernel_sources_and_its_builders_find_them(tmp_path):
+def test_wheel_ships_the_kernel_sources_and_its_builder_finds_them(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.o", "*.cubin", "_csrc", "*.egg-info")
+    ignore = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", "*.o", "_csrc", "*.egg-info")
     for name in PACKAGING_INPUTS:
         path = REPO / name
         (shutil.copytree(path, src / name, ignore=ignore) if path.is_dir() else shutil.copy2(path, src / name))
@@ -83,9 +78,9 @@ def test_wheel_ships_the_kernel_sources_and_its_builders_find_them(tmp_path):
     assert _under(r["package"], target), r["package"]  # the installed copy, not the editable checkout
     assert Path(r["kernel_sources_dir"]) == target / "echo_ds" / "_csrc"
     assert not any("kernel source" in m for m in r["ops_missing"]), r["ops_missing"]
-    files = r["ops_sources"] + r["ops_headers"] + r["p2p_sources"] + r["p2p_headers"]
-    dirs = r["ops_includes"] + r["p2p_includes"]
-    assert r["ops_sources"] and r["p2p_sources"] and dirs
+    files = r["ops_sources"] + r["ops_headers"]
+    dirs = r["ops_includes"]
+    assert r["ops_sources"] and dirs
     for path in files + dirs:
         assert _under(path, target) and not _under(path, REPO), path
     for path in files:

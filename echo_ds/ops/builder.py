@@ -41,12 +41,12 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # echo_ds/
 
 
 def kernel_sources_dir() -> Path:
-    """Where the CUDA sources are (the root: this builder's files, and p2p/ for the transport's).
+    """Where the CUDA sources are.
 
     An installed package (wheel, ``pip install .``) carries them as ``echo_ds/_csrc/`` (setup.py's build_py
     copies the repository's csrc/ there, as DeepSpeed ships its csrc); an editable install or a checkout on
-    sys.path has no copy and uses the checkout's top-level ``csrc/``. Both builders take their paths from
-    here. When neither exists the checkout path is returned, and ``missing_requirements`` names the files.
+    sys.path has no copy and uses the checkout's top-level ``csrc/``. When neither exists the checkout path
+    is returned, and ``missing_requirements`` names the files.
     """
     shipped = _PACKAGE_DIR / "_csrc"
     if shipped.is_dir():
@@ -56,7 +56,7 @@ def kernel_sources_dir() -> Path:
 
 CSRC_DIR = kernel_sources_dir()
 
-# One translation unit per stage, plus the torch binding.
+# One translation unit per stage, the p2p transport's, plus the torch binding.
 SOURCES = (
     "push_quantize.cu",
     "owner_reduce.cu",
@@ -66,11 +66,12 @@ SOURCES = (
     "p2p_all_reduce.cu",
     "p2p_all_reduce_f16.cu",
     "p2p_all_reduce_bf16.cu",
+    "p2p_transport.cu",
     "echo_binding.cpp",
 )
 HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_device.cuh", "echo_quantizer.cuh", "echo_rotation.cuh",
            "echo_compensator.cuh", "echo_contribution.cuh", "echo_rescale.cuh", "owner_reduce.cuh",
-           "p2p_all_reduce.cuh")
+           "p2p_all_reduce.cuh", "echo_p2p.h")
 
 DEFAULT_ARCH_LIST = "9.0"
 MIN_COMPUTE_CAPABILITY = (8, 0)

@@ -6,24 +6,24 @@
     y = buf.all_reduce(x, cfg.quant_spec(), compensator=comp)          # pow2_rescale="auto"
     buf.close()                                                 # or leave it to interpreter exit
 
-The constructor does the whole handshake, so that afterwards nothing is half set up: it builds and
-loads the transport kernels, allocates this rank's code buffer, parameter buffer and signal words,
-exchanges IPC handles over the group, opens the peers', builds the 3P + 1 address table and proves
-peer writes with a write-and-verify probe. Where any of it is missing it logs one warning naming the
-setting to change and every call takes the reference path (echo_ds.reference) instead; the results
-are the same bits either way.
+The constructor does the whole handshake, so that afterwards nothing is half set up: it loads
+echo_ds.ops (the one extension: the transport's kernels, the Echo stages and the one-launch call),
+allocates this rank's code buffer, parameter buffer and signal words, exchanges IPC handles over the
+group, opens the peers', builds the 3P + 1 address table and proves peer writes with a write-and-verify
+probe. Where any of it is missing (echo_ds.ops included) it logs one warning naming the setting to
+change and every call takes the reference path (echo_ds.reference) instead; the results are the same
+bits either way.
 
-One call, where echo_ds.ops is built (the default): ONE launch on the caller's stream
-(csrc/p2p_all_reduce.cu, through the extension's P2PRuntime): every block quantizes its groups of the
-segments this rank sends straight into the owners' buffers and raises a flag per owner, reduces its
-groups of the owned segment once its peers' flags arrive and writes the result into every rank's
-buffer, then decodes every segment's groups once the owners' flags arrive; the compensator's state is
-read and written in the same passes, and pow2 rescaling (True, or "auto") takes its max inside the launch. The host issues one
-binding call; flags, epochs and pointer tables live in device memory, so the call replays from a CUDA
-graph like any kernel.
+One call (stages "auto" or "fused"): ONE launch on the caller's stream (csrc/p2p_all_reduce.cu, through
+the extension's P2PRuntime): every block quantizes its groups of the segments this rank sends straight
+into the owners' buffers and raises a flag per owner, reduces its groups of the owned segment once its
+peers' flags arrive and writes the result into every rank's buffer, then decodes every segment's groups
+once the owners' flags arrive; the compensator's state is read and written in the same passes, and pow2
+rescaling (True, or "auto") takes its max inside the launch. The host issues one binding call; flags,
+epochs and pointer tables live in device memory, so the call replays from a CUDA graph like any kernel.
 
 The staged pipeline (stages="kernels" or "torch"; under "auto", calls above one_launch_max_bytes and the
-fallback where the one-launch kernel is not built or not built for the call): the caller's stream
+fallback where the one-launch kernel does not support the call): the caller's stream
 raises the device-resident flag base and records a start event; the push stream forms x' (compensation,
 rotation, the pow2 max exchange) and puts the codes of each tile into its owner's buffer, publishing a
 flag per tile; the reduce stream waits for a tile's flags, reduces and requantizes it into every peer's
@@ -120,7 +120,7 @@ class EchoBuffer:
     device: this rank's GPU (default: torch's current device).
     transport: "cuda" (IPC + kernels) or "host" (shared memory between CPU processes: tests only).
     stages: "auto" (the one-launch kernel of echo_ds.ops for messages up to ``one_launch_max_bytes``
-        where it is built and supports the call, else the staged kernels of echo_ds.ops, else torch),
+        where it supports the call, else the staged kernels of echo_ds.ops where they do, else torch),
         "fused" (the one-launch kernel at every size, with a warning where it cannot run), "kernels" (the
         staged kernels, with a warning where they cannot), or "torch" (the staged pipeline through torch).
     one_launch_max_bytes: see ``stages="auto"`` (default kDefaultOneLaunchMaxBytes, 16 MiB).
@@ -144,7 +144,6 @@ class EchoBuffer:
         self.tile_bytes = tile_bytes
         self.capacity = L.Capacity(self.world_size, max_numel, min_group_size)
         self.transport = None
-        self.module = None
         self.active = False
         self.reason = ""
         self.closed = False
@@ -189,16 +188,12 @@ class EchoBuffer:
         torch.zeros(1, device=self.device)  # the primary context is current from here on
         kernels_error = ""
         try:
-            from echo_ds.p2p import builder, driver
+            import echo_ds.ops as ops
+            from echo_ds.p2p import driver
 
+            ext = ops.load()  # once per process; EchoKernelsUnavailable names what this machine lacks
+            L.check_layout(ext)
             driver.init()
-            path, _ = builder.build(builder.arch_of_device(self.device.index))
-            self.module = driver.Module(path.read_bytes())
-            exported = tuple(int.from_bytes(self.module.read_global("echo_p2p_layout")[i:i + 8], "little")
-                             for i in range(0, 8 * len(L.expected_layout()), 8))
-            if exported != L.expected_layout():
-                raise RuntimeError(f"kernel layout {exported} != Python mirror {L.expected_layout()} "
-                                   f"(csrc/p2p/echo_p2p.h and echo_ds/p2p/layout.py drifted apart)")
             uuid = driver.device_uuid(self.device.index)
         except Exception as e:  # noqa: BLE001 - any failure here means "no fast path", with the reason
             kernels_error = f"{type(e).__name__}: {e}"
@@ -227,16 +222,16 @@ class EchoBuffer:
         from echo_ds.p2p.transport import CudaTransport
 
         self.transport = CudaTransport(self.group, self.rank, self.world_size, self.device, self.capacity,
-                                       self.timeout_s, self.module)
+                                       self.timeout_s, ext)
         self._streams = {name: torch.cuda.Stream(self.device) for name in kStreams}
-        self._ops = self._load_ops() if self.stages != "torch" else None
+        self._ops = ops if self.stages != "torch" else None
         self._events = self._new_events()
         self._graph_events = []  # the events of captured calls, kept with the buffer
         self._finish_handshake()
         if self.active:
-            self._init_runtime(everyone, uuid)
+            self._init_runtime(ext, everyone, uuid)
 
-    def _init_runtime(self, everyone, uuid) -> None:
+    def _init_runtime(self, ext, everyone, uuid) -> None:
         """The one-launch call (echo_ds.ops.P2PRuntime), on every rank or on none (collective).
 
         Ranks that share a device (same UUID; tests and benchmarks run so) must have all their blocks
@@ -247,16 +242,10 @@ class EchoBuffer:
         sharing = sum(1 for e in everyone if e["uuid"] == uuid)
         if self.stages not in ("auto", "fused"):
             why = f"stages={self.stages!r}"
-        elif self._ops is None:
-            why = "echo_ds.ops is not loaded"
         elif self.world_size not in ONE_LAUNCH_WORLD_SIZES:
             why = f"the one-launch kernel is built for {ONE_LAUNCH_WORLD_SIZES} ranks, not {self.world_size}"
         else:
             try:
-                ext = self._ops.load()
-                if int(ext.kP2PFlagsBytes) != L.kFusedFlagsBytes or int(ext.kP2PMaxBlocks) != L.kFusedMaxBlocks:
-                    raise RuntimeError(f"flag area {ext.kP2PFlagsBytes} B / {ext.kP2PMaxBlocks} blocks in the kernels, "
-                                       f"{L.kFusedFlagsBytes} B / {L.kFusedMaxBlocks} in echo_ds/p2p/layout.py")
                 # Ranks sharing a device get half of their even share: at the full share (every SM slot
                 # taken) P = 4 ranks under MPS hung once in 600 calls on the H200 (2026-12-04), a block
                 # of one rank never scheduled while the others spun.
@@ -293,24 +282,6 @@ class EchoBuffer:
     def _new_events() -> dict:
         return {name: torch.cuda.Event() for name in
                 ("start", "pushed0", "pushed1", "reduced0", "reduced1", "gather_end", "tail_end")}
-
-    def _load_ops(self):
-        """echo_ds.ops (the fused kernels, JIT-built once), or None with the reason logged once."""
-        try:
-            import echo_ds.ops as ops
-
-            why = ops.unavailable_reason()
-            if why is None:
-                ops.load()
-                return ops
-        except Exception as e:  # noqa: BLE001
-            why = f"{type(e).__name__}: {e}"
-        msg = f"the fused kernels of echo_ds.ops are unavailable ({why}); the p2p stages run through torch"
-        if self.stages == "kernels":
-            _warn_once(msg, self.rank)
-        else:
-            logger.info("echo p2p: %s", msg)
-        return None
 
     def _init_host(self) -> None:
         from echo_ds.p2p.transport import HostTransport
@@ -539,8 +510,9 @@ class EchoBuffer:
     # ------------------------------------------------------------------------------------------------
 
     def _stages_for(self, x: torch.Tensor, spec: QuantSpec) -> str:
-        """"kernels" where echo_ds.ops is loaded and supports the call, else "torch" (same bits)."""
-        if self._ops is None or self.stages == "torch":
+        """"kernels" where the stage kernels of echo_ds.ops support the call (and stages is not "torch"),
+        else "torch" (same bits)."""
+        if self._ops is None:
             return "torch"
         why = self._ops.unsupported_reason(self.world_size, spec, x.dtype)
         if why is not None:
@@ -684,12 +656,6 @@ class EchoBuffer:
                     dist.barrier(group=self.group)
             finally:
                 t.close()
-                if self.module is not None:
-                    try:
-                        self.module.unload()
-                    except Exception:  # noqa: BLE001
-                        pass
-                    self.module = None
 
     def __enter__(self):
         return self

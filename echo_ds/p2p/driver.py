@@ -1,4 +1,5 @@
-"""The few CUDA driver calls of the p2p transport, through cuda-python (``cuda.bindings.driver``).
+"""The few CUDA driver calls of the p2p transport, through cuda-python (``cuda.bindings.driver``): device
+queries, memory, IPC handles and the mapped error record (its kernels are launched through echo_ds.ops).
 
 Every call's status is checked; a failure raises :class:`CudaDriverError` naming the call and the
 driver's error name. The functions use the calling thread's current context, which is the primary
@@ -65,23 +66,6 @@ def can_access_peer(ordinal: int, peer_ordinal: int) -> bool:
     return bool(check(cu.cuDeviceCanAccessPeer(dev, peer), "cuDeviceCanAccessPeer"))
 
 
-def compute_capability(ordinal: int) -> Tuple[int, int]:
-    dev = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
-    major = check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-                  "cuDeviceGetAttribute")
-    minor = check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
-                  "cuDeviceGetAttribute")
-    return int(major), int(minor)
-
-
-def supports_stream_mem_ops(ordinal: int) -> bool:
-    dev = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
-    attr = getattr(cu.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1", None)
-    if attr is None:
-        return True  # CUDA >= 12 supports them everywhere
-    return bool(check(cu.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))
-
-
 # ----------------------------------------------------------------------------------------------------
 # Memory
 # ----------------------------------------------------------------------------------------------------
@@ -96,10 +80,6 @@ def mem_free(ptr: int) -> None:
 
 def memset_u8(ptr: int, value: int, num_bytes: int) -> None:
     check(cu.cuMemsetD8(ptr, value, num_bytes), "cuMemsetD8")
-
-
-def memcpy_htod(dst: int, src_host: int, num_bytes: int) -> None:
-    check(cu.cuMemcpyHtoD(dst, src_host, num_bytes), "cuMemcpyHtoD")
 
 
 def memcpy_dtoh(dst_host: int, src: int, num_bytes: int) -> None:
@@ -150,46 +130,8 @@ def close_ipc(ptr: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Modules and launches
+# Stream memory operations (benchmarks/bench_p2p.py compares them with the transport's wait kernel)
 # ----------------------------------------------------------------------------------------------------
-
-class Module:
-    """A loaded cubin: kernels by name and its globals."""
-
-    def __init__(self, image: bytes):
-        self.handle = check(cu.cuModuleLoadData(image), "cuModuleLoadData")
-        self._functions = {}
-
-    def function(self, name: str) -> "Kernel":
-        if name not in self._functions:
-            f = check(cu.cuModuleGetFunction(self.handle, name.encode()), f"cuModuleGetFunction({name})")
-            self._functions[name] = Kernel(name, f)
-        return self._functions[name]
-
-    def read_global(self, name: str) -> bytes:
-        ptr, size = check(cu.cuModuleGetGlobal(self.handle, name.encode()), f"cuModuleGetGlobal({name})")
-        buf = ctypes.create_string_buffer(int(size))
-        memcpy_dtoh(ctypes.addressof(buf), int(ptr), int(size))
-        return buf.raw
-
-    def unload(self) -> None:
-        if self.handle is not None:
-            check(cu.cuModuleUnload(self.handle), "cuModuleUnload")
-            self.handle = None
-
-
-class Kernel:
-    """A kernel taking one parameter struct by value (a ctypes.Structure, copied at launch)."""
-
-    def __init__(self, name: str, function):
-        self.name = name
-        self.function = function
-
-    def launch(self, grid: int, block: int, stream: int, params: ctypes.Structure) -> None:
-        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        check(cu.cuLaunchKernel(self.function, grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(args), 0),
-              f"cuLaunchKernel({self.name})")
-
 
 def stream_wait_value32(stream: int, addr: int, value: int, geq: bool = False) -> None:
     """The stream waits until the word at ``addr`` equals ``value`` (CU_STREAM_WAIT_VALUE_EQ), or is

@@ -1,5 +1,5 @@
-"""Memory layout of the p2p transport: the ctypes mirror of csrc/p2p/echo_p2p.h, the workspace sizes of
-a group, and the tiling of one call. Pure Python (no device): the schedule is testable on a CPU.
+"""Memory layout of the p2p transport: the signal words' offsets (csrc/echo_p2p.h), the workspace sizes
+of a group, and the tiling of one call. Pure Python (no device): the schedule is testable on a CPU.
 
 Workspace of one rank (three allocations exported to its peers, appendix C)::
 
@@ -23,7 +23,6 @@ address a plain product, identical on every rank.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 from typing import Tuple
@@ -32,10 +31,24 @@ from echo_ds import quant as Q
 from echo_ds.algorithm import Layout
 from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE
 
-kMaxWorld = 8
-kMaxTiles = 64
-kMaxCopies = 3 * (kMaxWorld - 1)
-kMaxFlags = kMaxWorld - 1
+# The offsets of EchoP2PSignals (csrc/echo_p2p.h) that address the flags, on both transports. The header
+# pins them with static_asserts and the extension exports them with the rest of its layout
+# (p2p_transport_layout()): EchoBuffer checks these against it before it uses the CUDA transport
+# (check_layout), and tests/test_kernels_compile.py against the header compiled on the host.
+SIGNALS_LAYOUT = {
+    "signals_bytes": 4416,
+    "signals.push": 0,  # uint32 [kMaxWorld][kMaxTiles]
+    "signals.gather": 2048,  # uint32 [kMaxWorld][kMaxTiles]
+    "signals.amax_flag": 4096,  # uint32 [kMaxWorld]
+    "signals.amax": 4128,  # float [kMaxWorld]
+    "signals.probe": 4160,  # uint32 [kMaxWorld][4]
+    "signals.progress": 4288,  # uint32
+    "signals.reserved": 4292,  # uint32 [31], written by no stage (benchmarks/bench_p2p.py's ping-pong)
+    "max_world": 8,
+    "max_tiles": 64,
+}
+kMaxWorld = SIGNALS_LAYOUT["max_world"]
+kMaxTiles = SIGNALS_LAYOUT["max_tiles"]
 kSlotAlignBytes = 256  # slot starts on a 256-byte boundary: 16-byte vector copies, whole L2 sectors
 # Tiles hold a multiple of 8 groups, so that a tile's fp16 parameters (2 bytes x 8) and codes fill whole
 # 16-byte vectors; only a segment's last tile can be shorter.
@@ -43,7 +56,7 @@ kTileGroupQuantum = 8
 
 # The one-launch kernel's flag area (csrc/echo_api.cuh, P2PFlags) sits in the same exported signal memory,
 # after EchoP2PSignals: 64-bit push and gather flags per (rank, block) for up to kFusedMaxBlocks blocks,
-# and the pow2 max exchange. echo_ds.ops exports sizeof(P2PFlags); EchoBuffer checks it against this.
+# and the pow2 max exchange. echo_ds.ops exports sizeof(P2PFlags); check_layout compares it with this.
 kFusedMaxBlocks = 256
 kFusedFlagsOffset = 8192
 kFusedFlagsBytes = 2 * 8 * kMaxWorld * kFusedMaxBlocks + 8 * kMaxWorld + 4 * kMaxWorld + 32
@@ -54,69 +67,17 @@ kLaneGather = 1
 kLaneAmax = 2
 kLaneProbe = 3
 
-u32 = ctypes.c_uint32
-u64 = ctypes.c_uint64
-
-
-class Signals(ctypes.Structure):
-    _fields_ = [("push", u32 * kMaxTiles * kMaxWorld), ("gather", u32 * kMaxTiles * kMaxWorld),
-                ("amax_flag", u32 * kMaxWorld), ("amax", ctypes.c_float * kMaxWorld),
-                ("probe", u32 * 4 * kMaxWorld), ("progress", u32), ("reserved", u32 * 31)]
-
-
-class Control(ctypes.Structure):
-    _fields_ = [("base", u32), ("call_index", u32), ("poisoned", u32), ("reserved0", u32),
-                ("arrivals", u32 * 8), ("reserved", u32 * 20)]
-
-
-class ErrorRecord(ctypes.Structure):
-    _fields_ = [("code", u32), ("rank", u32), ("peer", u32), ("stage", u32), ("tile", u32),
-                ("call_index", u32), ("expected", u32), ("seen", u32), ("waited_ns", u64),
-                ("abort_request", u32), ("reserved", u32 * 5)]
-
-
-class Table(ctypes.Structure):
-    _fields_ = [("codes", u64 * kMaxWorld), ("params", u64 * kMaxWorld), ("signals", u64 * kMaxWorld),
-                ("flag_base", u64), ("reserved", u64 * 7)]
-
-
-class PutParams(ctypes.Structure):
-    _fields_ = [("src", u64 * kMaxCopies), ("dst", u64 * kMaxCopies), ("num_bytes", u64 * kMaxCopies),
-                ("flag", u64 * kMaxFlags), ("control", u64), ("local_progress", u64), ("num_copies", u32),
-                ("num_flags", u32), ("stage_offset", u32), ("lane", u32)]
-
-
-class WaitParams(ctypes.Structure):
-    _fields_ = [("flag", u64 * kMaxFlags), ("peer", u32 * kMaxFlags), ("pad0", u32), ("control", u64),
-                ("error", u64), ("timeout_ns", u64), ("num_flags", u32), ("stage_offset", u32),
-                ("use_base", u32), ("value", u32), ("rank", u32), ("stage", u32), ("tile", u32),
-                ("pad1", u32)]
-
-
-class SignalParams(ctypes.Structure):
-    _fields_ = [("flag", u64 * kMaxFlags), ("control", u64), ("local_progress", u64), ("num_flags", u32),
-                ("stage_offset", u32), ("use_base", u32), ("value", u32)]
-
 
 def signal_bytes() -> int:
     """Bytes of one rank's exported signal memory: EchoP2PSignals, then the one-launch flag area."""
     return kFusedFlagsOffset + kFusedFlagsBytes
 
 
-def expected_layout() -> Tuple[int, ...]:
-    """What ``ECHO_P2P_LAYOUT_LIST`` of echo_p2p.h must evaluate to, from the ctypes mirror."""
-    return (ctypes.sizeof(Signals), Signals.gather.offset, Signals.amax_flag.offset, Signals.amax.offset,
-            Signals.probe.offset, Signals.progress.offset, ctypes.sizeof(Control), ctypes.sizeof(ErrorRecord),
-            ErrorRecord.abort_request.offset, ctypes.sizeof(Table), ctypes.sizeof(PutParams),
-            PutParams.num_copies.offset, ctypes.sizeof(WaitParams), WaitParams.num_flags.offset,
-            ctypes.sizeof(SignalParams), kMaxWorld, kMaxTiles, kMaxCopies)
-
-
 def signal_offset(field: str, *index: int) -> int:
     """Byte offset of one word of EchoP2PSignals, e.g. ``signal_offset("push", src, tile)``."""
-    if field not in ("push", "gather", "amax_flag", "amax", "probe", "progress"):
+    off = SIGNALS_LAYOUT.get("signals." + field)
+    if off is None:
         raise KeyError(field)
-    off = getattr(Signals, field).offset
     if field in ("push", "gather"):
         src, tile = index
         return off + 4 * (src * kMaxTiles + tile)
@@ -126,9 +87,21 @@ def signal_offset(field: str, *index: int) -> int:
     if field == "probe":
         src, word = index
         return off + 4 * (src * 4 + word)
-    if field == "progress":
-        return off
-    raise KeyError(field)
+    return off  # progress, reserved
+
+
+def check_layout(ext) -> None:
+    """Raise RuntimeError where echo_ds.ops' compiled layout (``ext``: the loaded extension) and this module
+    differ: csrc/echo_p2p.h or csrc/echo_api.cuh and echo_ds/p2p/layout.py drifted apart."""
+    compiled = ext.p2p_transport_layout()
+    diff = [f"{k}: {v} here, {compiled.get(k)} compiled" for k, v in SIGNALS_LAYOUT.items() if compiled.get(k) != v]
+    fused = (int(ext.kP2PFlagsBytes), int(ext.kP2PMaxBlocks))
+    if fused != (kFusedFlagsBytes, kFusedMaxBlocks):
+        diff.append(f"one-launch flag area: {kFusedFlagsBytes} B / {kFusedMaxBlocks} blocks here, "
+                    f"{fused[0]} B / {fused[1]} compiled")
+    if diff:
+        raise RuntimeError("the p2p layout of echo_ds/p2p/layout.py differs from the compiled extension's: "
+                           + "; ".join(diff))
 
 
 def _round_up(v: int, m: int) -> int:
@@ -276,12 +249,8 @@ def wire_bytes_per_rank(numel: int, world_size: int, bits: int, group_size: int)
 
 
 def _check():
-    assert ctypes.sizeof(Signals) == 4416 and ctypes.sizeof(Control) == 128
-    assert ctypes.sizeof(ErrorRecord) == 64 and ctypes.sizeof(Table) == 256
-    assert ctypes.sizeof(PutParams) == 592 and ctypes.sizeof(WaitParams) == 144
-    assert ctypes.sizeof(SignalParams) == 88
     assert math.log2(kTileGroupQuantum).is_integer()
-    assert ctypes.sizeof(Signals) <= kFusedFlagsOffset and kFusedFlagsOffset % 256 == 0
+    assert SIGNALS_LAYOUT["signals_bytes"] <= kFusedFlagsOffset and kFusedFlagsOffset % 256 == 0
 
 
 _check()

@@ -41,7 +41,7 @@ class GroupFacts:
     world_size: ranks in the group.
     same_host: every rank runs on this host (one boot id).
     peer_access: every pair of distinct devices in the group can access each other (the driver's answer).
-    kernels_built: the transport kernels compiled and loaded (``kernels_error`` says why not).
+    kernels_built: echo_ds.ops, which holds the transport's kernels, loaded (``kernels_error`` says why not).
     probe_ok: the write-and-verify probe saw every peer's words and flags (None: not run yet).
     """
 
@@ -74,8 +74,9 @@ def group_decision(f: GroupFacts) -> Decision:
         return Decision(False, "the driver reports no peer access between some GPUs of the group (check "
                                "`nvidia-smi topo -m` and CUDA_VISIBLE_DEVICES); " + _FIX_BACKEND)
     if not f.kernels_built:
-        return Decision(False, f"the p2p transport kernels are not available ({f.kernels_error or 'not built'}); "
-                               f"install the CUDA toolkit's nvcc, or {_FIX_BACKEND}")
+        return Decision(False, f"the p2p transport's kernels, in the extension echo_ds.ops, are not available "
+                               f"({f.kernels_error or 'not built'}); install the CUDA toolkit's nvcc for its JIT "
+                               f"build, or install echo_ds with DS_BUILD_ECHO=1, or {_FIX_BACKEND}")
     if f.probe_ok is False:
         return Decision(False, f"the write-and-verify probe of peer memory failed ({f.probe_error}), although "
                                f"the driver reports peer access; {_FIX_BACKEND}")

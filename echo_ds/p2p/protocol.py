@@ -1,4 +1,4 @@
-"""The flag protocol of the p2p transport, as pure functions (the kernels in csrc/p2p do the same).
+"""The flag protocol of the p2p transport, as pure functions (the kernels of csrc/p2p_transport.cu do the same).
 
 Call c (1-based, counted on the device, graph replays included) has the flag base
 ``B(c) = 3 c mod 2^32`` (appendix C: the base rises by 3 per call). The staged pipeline publishes two

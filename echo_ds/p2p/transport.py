@@ -5,8 +5,9 @@ Two implementations of one small interface:
 ``CudaTransport``
     The real one. Allocates this rank's code buffer, parameter buffer and signal array with cuMemAlloc,
     exports them (cuMemGetAddressRange + cuIpcGetMemHandle), exchanges the handles over the process
-    group (``all_gather_object``), opens the peers' (cuIpcOpenMemHandle) and launches the kernels of
-    csrc/p2p through the driver API on the stages' streams.
+    group (``all_gather_object``), opens the peers' (cuIpcOpenMemHandle), and prepares the transport
+    kernels' launches (csrc/p2p_transport.cu) as objects of the echo_ds.ops extension, each launched on a
+    stage's stream by one binding call.
 ``HostTransport``
     The same protocol over shared memory files between processes of one host, with the CPU doing the
     copies and the polling. It exists so that the pipeline above (tiling, offsets, the Echo stages,
@@ -20,7 +21,7 @@ Interface (``copies`` are ``(src, src_byte_offset, num_bytes, peer, region, dst_
     prepare_put(copies, flags, stage_offset, lane) -> handle;   put(handle, stream)
     prepare_signal(flags, stage_offset, value=None) -> handle;  signal(handle, stream)
     prepare_wait(flags, stage_offset, stage, tile) -> handle;   wait(handle, stream)
-    begin_call(stream);  failure() -> WaitFailure | None;  abort();  close()
+    begin_call(stream);  call_index();  failure() -> WaitFailure | None;  abort();  close()
     codes, params, signals: this rank's own buffers as uint8 tensors
     peer[j][region]: every rank's buffers as uint8 tensors on this device (peers' through the mapping)
 """
@@ -43,17 +44,8 @@ from echo_ds.p2p.rawview import raw_uint8_tensor
 Copy = Tuple[torch.Tensor, int, int, int, str, int]
 Flag = Tuple[int, int]
 
-# Put launches: bytes per block and threads per block. 512 threads x 16-byte vectors keep 8 KiB in
-# flight per block; one block per 256 KiB of a tile keeps a 1 MiB tile on 4 blocks per peer and a
-# whole segment's put well under the 132 SMs (placeholder until the multi-GPU measurement, issue 8).
-kPutThreads = 512
-kPutBytesPerBlock = 256 * 1024
-kPutMaxBlocks = 128
-kWaitThreads = 32
-
-
-def _tensor_ptr(t: torch.Tensor, byte_offset: int) -> int:
-    return t.data_ptr() + byte_offset
+# The words of EchoP2PErrorRecord in WaitFailure's order (its offsets come from the extension).
+_RECORD_WORDS = ("code", "rank", "peer", "stage", "tile", "call_index", "expected", "seen", "waited_ns")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -61,28 +53,27 @@ def _tensor_ptr(t: torch.Tensor, byte_offset: int) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 class CudaTransport:
-    """Peer memory over CUDA IPC and the csrc/p2p kernels. Built by EchoBuffer; see its docstring."""
+    """Peer memory over CUDA IPC and the transport kernels of echo_ds.ops (``ext``: the loaded extension).
+    Built by EchoBuffer; see its docstring."""
 
     kind = "cuda"
 
     def __init__(self, group, rank: int, world_size: int, device: torch.device, capacity: L.Capacity,
-                 timeout_s: float, module):
+                 timeout_s: float, ext):
         from echo_ds.p2p import driver as D
 
         self.D = D
+        self.ext = ext
+        self.layout = ext.p2p_transport_layout()  # sizes and offsets of csrc/echo_p2p.h, as compiled
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.timeout_ns = int(timeout_s * 1e9)
-        self.module = module
-        self._k_begin = module.function("echo_p2p_begin_call_kernel")
-        self._k_put = module.function("echo_p2p_put_kernel")
-        self._k_signal = module.function("echo_p2p_signal_kernel")
-        self._k_wait = module.function("echo_p2p_wait_kernel")
         self._own: List[int] = []  # device allocations to free
         self._opened: List[int] = []  # peers' mappings to close
         self._host_record: Optional[int] = None
+        self._record = {}  # word name -> ctypes view of the mapped error record
         self.closed = False
         self.error = ""  # why this rank cannot take part (the handshake's verdict carries it)
         self.peer = []
@@ -98,11 +89,14 @@ class CudaTransport:
                 self._own.append(ptr)
                 self.local_ptr[region] = ptr
             D.memset_u8(self.local_ptr["signals"], 0, sizes["signals"])
-            self.control_ptr = D.mem_alloc(ctypes.sizeof(L.Control))
+            self.control_ptr = D.mem_alloc(self.layout["control_bytes"])
             self._own.append(self.control_ptr)
-            D.memset_u8(self.control_ptr, 0, ctypes.sizeof(L.Control))
-            self._host_record, self.error_dev_ptr = D.host_alloc_mapped(ctypes.sizeof(L.ErrorRecord))
-            self.record = L.ErrorRecord.from_address(self._host_record)
+            D.memset_u8(self.control_ptr, 0, self.layout["control_bytes"])
+            self._host_record, self.error_dev_ptr = D.host_alloc_mapped(self.layout["error_bytes"])
+            for name in _RECORD_WORDS + ("abort_request", "one_launch"):
+                word = ctypes.c_uint64 if name == "waited_ns" else ctypes.c_uint32
+                self._record[name] = word.from_address(self._host_record + self.layout["error." + name])
+            self.progress_ptr = self.local_ptr["signals"] + L.signal_offset("progress")
             D.ctx_synchronize()
             mine = {region: D.export_ipc(ptr) for region, ptr in self.local_ptr.items()}
         except Exception as e:  # noqa: BLE001
@@ -131,16 +125,9 @@ class CudaTransport:
             self.error = f"rank {rank}: opening rank {j}'s {region} buffer failed: {type(e).__name__}: {e}"
             return
 
-        # The fixed table of 3P + 1 addresses, also on the device for kernels that index it by rank.
-        self.table = L.Table()
-        for j in range(world_size):
-            self.table.codes[j] = self.peer_ptr[j]["codes"]
-            self.table.params[j] = self.peer_ptr[j]["params"]
-            self.table.signals[j] = self.peer_ptr[j]["signals"]
-        self.table.flag_base = self.control_ptr
-        self.table_dev_ptr = D.mem_alloc(ctypes.sizeof(L.Table))
-        self._own.append(self.table_dev_ptr)
-        D.memcpy_htod(self.table_dev_ptr, ctypes.addressof(self.table), ctypes.sizeof(L.Table))
+        # The fixed table of 3P + 1 addresses (appendix C): the P code buffers, the P parameter buffers,
+        # the P signal arrays, as this process maps them, and this rank's flag base.
+        self.table = [self.peer_ptr[j][region] for region in sizes for j in range(world_size)] + [self.control_ptr]
 
         # Every rank's three regions as uint8 tensors on this device (peers' through their IPC mappings),
         # for kernels that take tensors (echo_ds.ops writes its codes straight into a peer's slot).
@@ -151,110 +138,66 @@ class CudaTransport:
         self.signals = self.peer[rank]["signals"]
 
     def table_entries(self) -> List[int]:
-        P = self.world_size
-        return ([self.table.codes[j] for j in range(P)] + [self.table.params[j] for j in range(P)]
-                + [self.table.signals[j] for j in range(P)] + [self.table.flag_base])
+        return list(self.table)
 
-    # -- launches -----------------------------------------------------------------------------------
+    # -- launches: prepared once per schedule, then one binding call each --------------------------
 
     def prepare_put(self, copies: Sequence[Copy], flags: Sequence[Flag], stage_offset: int, lane: int):
-        if len(copies) > L.kMaxCopies or len(flags) > L.kMaxFlags:
-            raise ValueError(f"a put carries at most {L.kMaxCopies} copies and {L.kMaxFlags} flags")
-        p = L.PutParams()
-        total = 0
-        for i, (src, src_off, n, peer, region, dst_off) in enumerate(copies):
-            p.src[i] = _tensor_ptr(src, src_off)
-            p.dst[i] = self.peer_ptr[peer][region] + dst_off
-            p.num_bytes[i] = n
-            total += n
-        for i, (peer, off) in enumerate(flags):
-            p.flag[i] = self.peer_ptr[peer]["signals"] + off
-        p.control = self.control_ptr
-        p.local_progress = self.local_ptr["signals"] + L.signal_offset("progress")
-        p.num_copies = len(copies)
-        p.num_flags = len(flags)
-        p.stage_offset = stage_offset
-        p.lane = lane
-        blocks = max(1, min(kPutMaxBlocks, -(-total // kPutBytesPerBlock)))
-        return (p, blocks)
+        return self.ext.P2PPut(
+            [(self.peer_ptr[peer][region] + dst_off, src.data_ptr() + src_off, n)
+             for src, src_off, n, peer, region, dst_off in copies],
+            [self.peer_ptr[peer]["signals"] + off for peer, off in flags], self.control_ptr, self.progress_ptr,
+            stage_offset, lane)
 
     def put(self, handle, stream) -> None:
-        p, blocks = handle
-        self._k_put.launch(blocks, kPutThreads, stream.cuda_stream, p)
+        handle.launch(stream.cuda_stream)
 
     def prepare_wait(self, flags: Sequence[Flag], stage_offset: int, stage: int, tile: int, value=None):
-        p = L.WaitParams()
-        for i, (peer, off) in enumerate(flags):
-            p.flag[i] = self.local_ptr["signals"] + off
-            p.peer[i] = peer
-        p.control = self.control_ptr
-        p.error = self.error_dev_ptr
-        p.timeout_ns = self.timeout_ns
-        p.num_flags = len(flags)
-        p.stage_offset = stage_offset
-        p.use_base = 0 if value is not None else 1
-        p.value = 0 if value is None else value
-        p.rank = self.rank
-        p.stage = stage
-        p.tile = tile
-        return p
+        return self.ext.P2PWait([self.local_ptr["signals"] + off for _, off in flags], [peer for peer, _ in flags],
+                                self.control_ptr, self.error_dev_ptr, self.timeout_ns, stage_offset, value, self.rank,
+                                stage, tile)
 
     def wait(self, handle, stream) -> None:
-        self._k_wait.launch(1, kWaitThreads, stream.cuda_stream, handle)
+        handle.launch(stream.cuda_stream)
 
     def prepare_signal(self, flags: Sequence[Flag], stage_offset: int, value=None):
         """Flags written with no data (the data went to the peers in an earlier kernel of the stream):
         value = control->base + stage_offset, or ``value`` itself."""
-        p = L.SignalParams()
-        for i, (peer, off) in enumerate(flags):
-            p.flag[i] = self.peer_ptr[peer]["signals"] + off
-        p.control = self.control_ptr
-        p.local_progress = self.local_ptr["signals"] + L.signal_offset("progress")
-        p.num_flags = len(flags)
-        p.stage_offset = stage_offset
-        p.use_base = 0 if value is not None else 1
-        p.value = 0 if value is None else value
-        return p
+        return self.ext.P2PSignal([self.peer_ptr[peer]["signals"] + off for peer, off in flags], self.control_ptr,
+                                  self.progress_ptr, stage_offset, value)
 
     def signal(self, handle, stream) -> None:
-        self._k_signal.launch(1, kWaitThreads, stream.cuda_stream, handle)
+        handle.launch(stream.cuda_stream)
 
     def begin_call(self, stream) -> None:
-        p = L.SignalParams()
-        p.control = self.control_ptr
-        self._k_begin.launch(1, 1, stream.cuda_stream, p)
+        self.ext.p2p_begin_call(self.control_ptr, stream.cuda_stream)
 
     # -- state --------------------------------------------------------------------------------------
 
     def failure(self) -> Optional[proto.WaitFailure]:
         if self.closed or self._host_record is None:
             return None
-        r = self.record
-        if r.code == proto.kErrorNone:
+        r = self._record
+        if r["code"].value == proto.kErrorNone:
             return None
-        return proto.WaitFailure(r.code, r.rank, r.peer, r.stage, r.tile, r.call_index, r.expected, r.seen,
-                                 r.waited_ns, one_launch=bool(r.reserved[0]))
+        return proto.WaitFailure(*(r[name].value for name in _RECORD_WORDS), one_launch=bool(r["one_launch"].value))
 
     def clear_failure(self) -> None:
         """Forget a failure (the constructor's probe only): record and poison back to zero."""
-        ctypes.memset(ctypes.addressof(self.record), 0, ctypes.sizeof(L.ErrorRecord))
-        self.D.memset_u8(self.control_ptr + L.Control.poisoned.offset, 0, 4)
+        ctypes.memset(self._host_record, 0, self.layout["error_bytes"])
+        self.D.memset_u8(self.control_ptr + self.layout["control.poisoned"], 0, 4)
         self.D.ctx_synchronize()
 
-    def read_control(self) -> L.Control:
-        c = L.Control()
-        self.D.memcpy_dtoh(ctypes.addressof(c), self.control_ptr, ctypes.sizeof(L.Control))
-        return c
-
-    def read_signals(self) -> L.Signals:
-        s = L.Signals()
-        self.D.memcpy_dtoh(ctypes.addressof(s), self.local_ptr["signals"], ctypes.sizeof(L.Signals))
-        return s
+    def call_index(self) -> int:
+        """Calls begun on this rank, graph replays included (EchoP2PControl::call_index; a synchronous copy)."""
+        word = ctypes.c_uint32()
+        self.D.memcpy_dtoh(ctypes.addressof(word), self.control_ptr + self.layout["control.call_index"], 4)
+        return word.value
 
     def abort(self) -> None:
         """Every wait, running or to come, gives up at once (the host writes the mapped abort word)."""
         if self._host_record is not None and not self.closed:
-            self.record.abort_request = 1
+            self._record["abort_request"].value = 1
 
     def close_peers(self) -> None:
         """Unmap the peers' memory (before they free it: see EchoBuffer.close)."""
@@ -287,6 +230,7 @@ class CudaTransport:
             except Exception as e:  # noqa: BLE001
                 errors.append(str(e))
         if self._host_record is not None:
+            self._record = {}
             try:
                 D.host_free(self._host_record)
             except Exception as e:  # noqa: BLE001
@@ -408,6 +352,9 @@ class HostTransport:
     def begin_call(self, stream=None) -> None:
         self.control.call_index = (self.control.call_index + 1) & proto.kFlagMask
         self.control.base = proto.flag_base(self.control.call_index)
+
+    def call_index(self) -> int:
+        return self.control.call_index
 
     def failure(self):
         return self._failure

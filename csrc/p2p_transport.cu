@@ -1,14 +1,34 @@
-// Transport kernels of the p2p backend: the call's flag base, peer puts that publish a flag after their
-// data, and waits that give up after a timeout. The Echo stages themselves (quantize, reduce,
-// dequantize) are not here; these kernels only move bytes and order them across GPUs.
-//
-// Built on its own (echo_ds/p2p/builder.py: one nvcc -cubin) and launched
-// through the driver API, so the transport needs no torch extension build. Every kernel takes one
-// parameter struct by value, laid out in echo_p2p.h.
+// The staged pipeline's transport: the call's flag base, peer puts that publish a flag after their data,
+// and waits that give up after a timeout (echo_api.cuh declares the launches, echo_p2p.h lays out the
+// memory and states the flag protocol). The Echo stages themselves (quantize, reduce, dequantize) are
+// not here; these kernels only move bytes and order them across GPUs.
+#include "echo_api.cuh"
+#include "echo_check.cuh"
 
-#include "echo_p2p.h"
-
+namespace echo {
 namespace {
+
+static_assert(kEchoMaxWorld == kMaxWorldSize, "echo_p2p.h and echo_api.cuh size groups alike");
+static_assert(sizeof(EchoP2PControl::arrivals) / sizeof(uint32_t) == kP2PNumLanes, "one arrival counter per lane");
+// NOTE: the one-launch kernel and the waits here fill the same mapped record, and the host reads it
+// through EchoP2PErrorRecord's offsets.
+static_assert(sizeof(P2PErrorRecord) == sizeof(EchoP2PErrorRecord), "the error records' size");
+static_assert(offsetof(P2PErrorRecord, code) == offsetof(EchoP2PErrorRecord, code) &&
+                  offsetof(P2PErrorRecord, seen) == offsetof(EchoP2PErrorRecord, seen) &&
+                  offsetof(P2PErrorRecord, waited_ns) == offsetof(EchoP2PErrorRecord, waited_ns) &&
+                  offsetof(P2PErrorRecord, abort_request) == offsetof(EchoP2PErrorRecord, abort_request) &&
+                  offsetof(P2PErrorRecord, reserved) == offsetof(EchoP2PErrorRecord, one_launch),
+              "the error records' words");
+
+// Put launches: bytes per block and threads per block. 512 threads x 16-byte vectors keep 8 KiB in
+// flight per block; one block per 256 KiB of a tile keeps a 1 MiB tile on 4 blocks per peer and a
+// whole segment's put well under the 132 SMs (placeholder until the multi-GPU measurement, issue 8).
+constexpr int kPutThreads = 512;
+constexpr uint64_t kPutBytesPerBlock = 256 * 1024;
+constexpr uint64_t kPutMaxBlocks = 128;
+// Signal and wait: one warp, a thread per flag.
+constexpr int kFlagThreads = 32;
+static_assert(kP2PMaxFlags <= kFlagThreads, "a thread per flag");
 
 __device__ __forceinline__ void st_release_sys(uint32_t* addr, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
@@ -52,20 +72,10 @@ __device__ void copy_range(const unsigned char* src, unsigned char* dst, uint64_
   for (uint64_t i = done + thread; i < num_bytes; i += num_threads) dst[i] = src[i];
 }
 
-}  // namespace
-
-extern "C" {
-
-// The kernels' layout, read by the Python mirror at load time (cuModuleGetGlobal).
-#define ECHO_P2P_LAYOUT_ENTRY(v) static_cast<unsigned long long>(v),
-__device__ const unsigned long long echo_p2p_layout[] = {ECHO_P2P_LAYOUT_LIST(ECHO_P2P_LAYOUT_ENTRY)};
-#undef ECHO_P2P_LAYOUT_ENTRY
-
 // One thread, first thing of every call on the caller's stream: B(c) = 3c. Graph replays run it too,
 // so the base lives on the device and a replayed graph never re-uses a captured value (the frozen
 // host counter of QuickReduce's graph bug).
-__global__ void echo_p2p_begin_call_kernel(const EchoP2PSignalParams p) {
-  EchoP2PControl* control = reinterpret_cast<EchoP2PControl*>(p.control);
+__global__ void echo_p2p_begin_call_kernel(EchoP2PControl* control) {
   const uint32_t call = control->call_index + 1;
   control->call_index = call;
   control->base = call * kStagesPerCall;
@@ -73,13 +83,13 @@ __global__ void echo_p2p_begin_call_kernel(const EchoP2PSignalParams p) {
 
 // grid (num_blocks), block (threads): all copies, striped over the whole grid, then the last block to
 // finish publishes every flag.
-__global__ void echo_p2p_put_kernel(const EchoP2PPutParams p) {
-  EchoP2PControl* control = reinterpret_cast<EchoP2PControl*>(p.control);
+__global__ void echo_p2p_put_kernel(const P2PPutArgs p) {
+  EchoP2PControl* control = p.control;
   const uint64_t thread = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t num_threads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint32_t c = 0; c < p.num_copies; ++c) {
-    copy_range(reinterpret_cast<const unsigned char*>(p.src[c]), reinterpret_cast<unsigned char*>(p.dst[c]),
-               p.num_bytes[c], thread, num_threads);
+    copy_range(static_cast<const unsigned char*>(p.src[c]), static_cast<unsigned char*>(p.dst[c]), p.num_bytes[c],
+               thread, num_threads);
   }
   if (p.num_flags == 0) return;
   __shared__ uint32_t is_last;
@@ -100,21 +110,21 @@ __global__ void echo_p2p_put_kernel(const EchoP2PPutParams p) {
     // them through the atomic and the fence below, and the release store publishes them with the flag.
     __threadfence_system();
     const uint32_t value = control->base + p.stage_offset;
-    st_release_sys(reinterpret_cast<uint32_t*>(p.flag[threadIdx.x]), value);
+    st_release_sys(p.flag[threadIdx.x], value);
     if (threadIdx.x == 0 && p.local_progress) *reinterpret_cast<volatile uint32_t*>(p.local_progress) = value;
   }
 }
 
 // A flag write with no data: for a stage whose kernel wrote its data into the peers' buffers itself
 // (earlier on this stream). One block of at least num_flags threads.
-__global__ void echo_p2p_signal_kernel(const EchoP2PSignalParams p) {
-  const EchoP2PControl* control = reinterpret_cast<const EchoP2PControl*>(p.control);
+__global__ void echo_p2p_signal_kernel(const P2PSignalArgs p) {
+  const EchoP2PControl* control = p.control;
   if (threadIdx.x < p.num_flags) {
     // NOTE: the data was written by earlier kernels of this stream; they completed before this one
     // started, and the system fence orders their writes, as this thread observes them, before the flag.
     __threadfence_system();
     const uint32_t value = p.use_base ? control->base + p.stage_offset : p.value;
-    st_release_sys(reinterpret_cast<uint32_t*>(p.flag[threadIdx.x]), value);
+    st_release_sys(p.flag[threadIdx.x], value);
     if (threadIdx.x == 0 && p.local_progress) *reinterpret_cast<volatile uint32_t*>(p.local_progress) = value;
   }
 }
@@ -132,13 +142,13 @@ __global__ void echo_p2p_signal_kernel(const EchoP2PSignalParams p) {
 // and call) nor take its value from device memory (a captured graph would replay the captured value, and
 // re-arming every wait node per replay costs host work; here the value comes from control->base). The
 // way to beat both is to poll inside the consumer kernels themselves (no launch at all): docs/p2p.md.
-__global__ void echo_p2p_wait_kernel(const EchoP2PWaitParams p) {
-  EchoP2PControl* control = reinterpret_cast<EchoP2PControl*>(p.control);
-  EchoP2PErrorRecord* error = reinterpret_cast<EchoP2PErrorRecord*>(p.error);
+__global__ void echo_p2p_wait_kernel(const P2PWaitArgs p) {
+  EchoP2PControl* control = p.control;
+  EchoP2PErrorRecord* error = p.error;
   const uint32_t expected = p.use_base ? control->base + p.stage_offset : p.value;
   const uint32_t i = threadIdx.x;
   if (i < p.num_flags) {
-    const uint32_t* flag = reinterpret_cast<const uint32_t*>(p.flag[i]);
+    const uint32_t* flag = p.flag[i];
     const uint64_t start = global_timer_ns();
     uint32_t seen = ld_acquire_sys(flag);
     uint32_t polls = 0;
@@ -175,4 +185,39 @@ __global__ void echo_p2p_wait_kernel(const EchoP2PWaitParams p) {
   __syncthreads();
 }
 
-}  // extern "C"
+}  // namespace
+
+void launch_p2p_begin_call(EchoP2PControl* control, cudaStream_t stream) {
+  ECHO_HOST_ASSERT(control != nullptr, "the control block is required");
+  echo_p2p_begin_call_kernel<<<1, 1, 0, stream>>>(control);
+  ECHO_CHECK(cudaGetLastError());
+}
+
+void launch_p2p_put(const P2PPutArgs& a, cudaStream_t stream) {
+  ECHO_HOST_ASSERT(a.control != nullptr, "the control block is required");
+  ECHO_HOST_ASSERT(a.num_copies <= static_cast<uint32_t>(kP2PMaxCopies) &&
+                       a.num_flags <= static_cast<uint32_t>(kP2PMaxFlags) && a.lane < static_cast<uint32_t>(kP2PNumLanes),
+                   "a put carries at most kP2PMaxCopies copies and kP2PMaxFlags flags on one of kP2PNumLanes lanes");
+  uint64_t total = 0;
+  for (uint32_t c = 0; c < a.num_copies; ++c) total += a.num_bytes[c];
+  const uint64_t wanted = (total + kPutBytesPerBlock - 1) / kPutBytesPerBlock;
+  const uint64_t blocks = wanted < 1 ? 1 : (wanted > kPutMaxBlocks ? kPutMaxBlocks : wanted);
+  echo_p2p_put_kernel<<<static_cast<unsigned>(blocks), kPutThreads, 0, stream>>>(a);
+  ECHO_CHECK(cudaGetLastError());
+}
+
+void launch_p2p_signal(const P2PSignalArgs& a, cudaStream_t stream) {
+  ECHO_HOST_ASSERT(a.control != nullptr, "the control block is required");
+  ECHO_HOST_ASSERT(a.num_flags <= static_cast<uint32_t>(kP2PMaxFlags), "a signal writes at most kP2PMaxFlags flags");
+  echo_p2p_signal_kernel<<<1, kFlagThreads, 0, stream>>>(a);
+  ECHO_CHECK(cudaGetLastError());
+}
+
+void launch_p2p_wait(const P2PWaitArgs& a, cudaStream_t stream) {
+  ECHO_HOST_ASSERT(a.control != nullptr && a.error != nullptr, "the control block and error record are required");
+  ECHO_HOST_ASSERT(a.num_flags <= static_cast<uint32_t>(kP2PMaxFlags), "a wait polls at most kP2PMaxFlags flags");
+  echo_p2p_wait_kernel<<<1, kFlagThreads, 0, stream>>>(a);
+  ECHO_CHECK(cudaGetLastError());
+}
+
+}  // namespace echo
