@@ -24,7 +24,6 @@ import echo_ds.ops as E
 E.load()
 print(f'echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s')" > "$W/ops_build.log" 2>&1
 echo "rc=$?" >> "$W/ops_build.log"; tail -2 "$W/ops_build.log"
-python3 -m echo_ds.p2p.builder > /dev/null 2>&1 || true  # the staged transport's kernels, where that build exists
 stamp "built"
 
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider"

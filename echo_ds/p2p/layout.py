@@ -240,11 +240,12 @@ def make_tiling(numel: int, world_size: int, bits: int, group_size: int, tile_by
                   capacity.param_bytes // 2)
 
 
-def wire_bytes_per_rank(numel: int, world_size: int, bits: int, group_size: int) -> int:
+def wire_bytes_per_rank(numel: int, world_size: int, bits: int, group_size: int,
+                        quantizer: str = "zero_aware") -> int:
     """Bytes one rank sends in a call: (P - 1) segments on push and P - 1 copies of its reduced segment
     on gather (the busbw of the benchmark counts these)."""
     layout = Layout(numel, world_size, group_size)
-    seg = layout.groups_per_segment * Q.group_wire_bytes(bits, group_size)
+    seg = layout.groups_per_segment * Q.group_wire_bytes(bits, group_size, quantizer)
     return 2 * (world_size - 1) * seg
 
 
