@@ -61,14 +61,6 @@ DType dtype_of(const at::Tensor& t, const char* name) {
   return DType::kFloat32;
 }
 
-// The runtime objects are made by module functions, not by pybind11 constructors: an argument check that
-// throws inside a py::init constructor killed the process on the H200 image (torch 2.11, 2026-12-04),
-// while the same exception from a function reaches Python as a RuntimeError.
-template <typename T, typename... Args>
-std::unique_ptr<T> make(Args... args) {
-  return std::make_unique<T>(args...);
-}
-
 Quantizer quantizer_of(int64_t quantizer) {
   TORCH_CHECK(quantizer >= 0 && quantizer <= 3,
               "quantizer must be 0 (zero_aware), 1 (symmetric), 2 (naive) or 3 (zero_aware_int), got ", quantizer);
@@ -557,19 +549,22 @@ pybind11::dict p2p_transport_layout() {
 
 void bind_p2p_transport(pybind11::module_& m) {
   namespace py = pybind11;
-  py::class_<P2PPut>(m, "P2PPut").def("launch", &P2PPut::launch, py::arg("stream"));
-  m.def("p2p_put", &make<P2PPut, const std::vector<std::tuple<int64_t, int64_t, int64_t>>&,
-                         const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t>,
-        py::arg("copies"), py::arg("flags"), py::arg("control"), py::arg("local_progress"), py::arg("stage_offset"),
-        py::arg("lane"));
-  py::class_<P2PSignal>(m, "P2PSignal").def("launch", &P2PSignal::launch, py::arg("stream"));
-  m.def("p2p_signal", &make<P2PSignal, const std::vector<int64_t>&, int64_t, int64_t, int64_t, std::optional<int64_t>>,
-        py::arg("flags"), py::arg("control"), py::arg("local_progress"), py::arg("stage_offset"), py::arg("value"));
-  py::class_<P2PWait>(m, "P2PWait").def("launch", &P2PWait::launch, py::arg("stream"));
-  m.def("p2p_wait", &make<P2PWait, const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t, int64_t, int64_t,
-                          int64_t, std::optional<int64_t>, int64_t, int64_t, int64_t>,
-        py::arg("flags"), py::arg("peers"), py::arg("control"), py::arg("error_record"), py::arg("timeout_ns"),
-        py::arg("stage_offset"), py::arg("value"), py::arg("rank"), py::arg("stage"), py::arg("tile"));
+  py::class_<P2PPut>(m, "P2PPut")
+      .def(py::init<const std::vector<std::tuple<int64_t, int64_t, int64_t>>&, const std::vector<int64_t>&, int64_t,
+                    int64_t, int64_t, int64_t>(),
+           py::arg("copies"), py::arg("flags"), py::arg("control"), py::arg("local_progress"), py::arg("stage_offset"),
+           py::arg("lane"))
+      .def("launch", &P2PPut::launch, py::arg("stream"));
+  py::class_<P2PSignal>(m, "P2PSignal")
+      .def(py::init<const std::vector<int64_t>&, int64_t, int64_t, int64_t, std::optional<int64_t>>(), py::arg("flags"),
+           py::arg("control"), py::arg("local_progress"), py::arg("stage_offset"), py::arg("value"))
+      .def("launch", &P2PSignal::launch, py::arg("stream"));
+  py::class_<P2PWait>(m, "P2PWait")
+      .def(py::init<const std::vector<int64_t>&, const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t,
+                    std::optional<int64_t>, int64_t, int64_t, int64_t>(),
+           py::arg("flags"), py::arg("peers"), py::arg("control"), py::arg("error_record"), py::arg("timeout_ns"),
+           py::arg("stage_offset"), py::arg("value"), py::arg("rank"), py::arg("stage"), py::arg("tile"))
+      .def("launch", &P2PWait::launch, py::arg("stream"));
   m.def("p2p_begin_call", &p2p_begin_call, py::arg("control"), py::arg("stream"));
   m.def("p2p_transport_layout", &p2p_transport_layout);
 }
@@ -598,12 +593,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pow2_amax", &pow2_amax, py::arg("x"), py::arg("amax_out"), py::arg("m1"), py::arg("m2"),
         py::arg("world_size"), py::arg("group_size"), py::arg("hadamard_signs"),
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
-  m.def("p2p_runtime", &make<P2PRuntime, int64_t, int64_t, const std::vector<int64_t>&, const std::vector<int64_t>&,
-                             const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t, int64_t>,
-        py::arg("rank"), py::arg("world_size"), py::arg("codes"), py::arg("params"), py::arg("flags"),
-        py::arg("code_half_bytes"), py::arg("param_half_bytes"), py::arg("error_record"), py::arg("timeout_ns"),
-        py::arg("max_blocks"));
   py::class_<P2PRuntime>(m, "P2PRuntime")
+      .def(py::init<int64_t, int64_t, const std::vector<int64_t>&, const std::vector<int64_t>&,
+                    const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t, int64_t>(),
+           py::arg("rank"), py::arg("world_size"), py::arg("codes"), py::arg("params"), py::arg("flags"),
+           py::arg("code_half_bytes"), py::arg("param_half_bytes"), py::arg("error_record"), py::arg("timeout_ns"),
+           py::arg("max_blocks"))
       .def("all_reduce", &P2PRuntime::all_reduce, py::arg("x"), py::arg("y"), py::arg("m1"), py::arg("m2"),
            py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
            py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),

@@ -270,7 +270,7 @@ class EchoBuffer:
         cap = min(v[1] for v in verdicts)
         t = self.transport
         P = self.world_size
-        self._runtime = ext.p2p_runtime(
+        self._runtime = ext.P2PRuntime(
             self.rank, P, [t.peer_ptr[j]["codes"] for j in range(P)], [t.peer_ptr[j]["params"] for j in range(P)],
             [t.peer_ptr[j]["signals"] + L.kFusedFlagsOffset for j in range(P)], self.capacity.code_bytes // 2,
             self.capacity.param_bytes // 2, t.error_dev_ptr, t.timeout_ns, cap)

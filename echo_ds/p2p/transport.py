@@ -143,7 +143,7 @@ class CudaTransport:
     # -- launches: prepared once per schedule, then one binding call each --------------------------
 
     def prepare_put(self, copies: Sequence[Copy], flags: Sequence[Flag], stage_offset: int, lane: int):
-        return self.ext.p2p_put(
+        return self.ext.P2PPut(
             [(self.peer_ptr[peer][region] + dst_off, src.data_ptr() + src_off, n)
              for src, src_off, n, peer, region, dst_off in copies],
             [self.peer_ptr[peer]["signals"] + off for peer, off in flags], self.control_ptr, self.progress_ptr,
@@ -153,7 +153,7 @@ class CudaTransport:
         handle.launch(stream.cuda_stream)
 
     def prepare_wait(self, flags: Sequence[Flag], stage_offset: int, stage: int, tile: int, value=None):
-        return self.ext.p2p_wait([self.local_ptr["signals"] + off for _, off in flags], [peer for peer, _ in flags],
+        return self.ext.P2PWait([self.local_ptr["signals"] + off for _, off in flags], [peer for peer, _ in flags],
                                 self.control_ptr, self.error_dev_ptr, self.timeout_ns, stage_offset, value, self.rank,
                                 stage, tile)
 
@@ -163,7 +163,7 @@ class CudaTransport:
     def prepare_signal(self, flags: Sequence[Flag], stage_offset: int, value=None):
         """Flags written with no data (the data went to the peers in an earlier kernel of the stream):
         value = control->base + stage_offset, or ``value`` itself."""
-        return self.ext.p2p_signal([self.peer_ptr[peer]["signals"] + off for peer, off in flags], self.control_ptr,
+        return self.ext.P2PSignal([self.peer_ptr[peer]["signals"] + off for peer, off in flags], self.control_ptr,
                                   self.progress_ptr, stage_offset, value)
 
     def signal(self, handle, stream) -> None:
