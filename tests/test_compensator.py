@@ -70,7 +70,7 @@ def test_correction_reads_the_state_exactly():
 
 @pytest.mark.parametrize("residual", ["local", "output"])
 def test_a_non_finite_call_poisons_only_itself(residual):
-    cfg = EchoConfig(forward={"residual": residual})
+    cfg = EchoConfig(group_size=128, forward={"residual": residual})  # the slices below are groups of 128
     op = CompensatedAllReduce(4, cfg)
     gen = torch.Generator().manual_seed(1)
     op(torch.randn(4, 4096, generator=gen))
