@@ -91,7 +91,7 @@ def test_a_non_finite_call_poisons_only_itself(residual):
 def test_state_memory_is_two_bytes_per_element_per_average():
     op = CompensatedAllReduce(2, EchoConfig())
     op(torch.randn(2, 10_000))
-    padded = A.Layout(10_000, 2, 128).padded_numel
+    padded = A.Layout(10_000, 2, EchoConfig().group_size).padded_numel
     comp = op.compensator
     assert comp.m1.dtype == comp.m2.dtype == torch.bfloat16
     assert comp.m1.numel() * comp.m1.element_size() + comp.m2.numel() * comp.m2.element_size() == 2 * 2 * 2 * padded

@@ -265,7 +265,7 @@ def test_reset_and_resize():
     assert op.compensator.m1 is None and op.compensator.num_calls == 0
     op(torch.randn(2, 300))
     op(torch.randn(2, 5000))  # a different message size restarts the state at the new size
-    assert op.compensator.num_resizes == 1 and op.compensator.m1.numel() == 2 * A.Layout(5000, 2, 128).padded_numel
+    assert op.compensator.num_resizes == 1 and op.compensator.m1.numel() == 2 * A.Layout(5000, 2, EchoConfig().group_size).padded_numel
 
 
 def test_telemetry_records_the_revealed_error():
@@ -281,8 +281,10 @@ def test_telemetry_records_the_revealed_error():
 def test_non_finite_inputs_propagate():
     parts = torch.randn(2, 512)
     parts[1, 10] = float("nan")
-    y = quantized_all_reduce(parts, EchoConfig())
-    assert torch.isnan(y[:128]).all() and torch.isfinite(y[128:]).all()
+    cfg = EchoConfig()
+    y = quantized_all_reduce(parts, cfg)
+    g = cfg.group_size      # a NaN poisons its group (and its rotation block, which is the group) only
+    assert torch.isnan(y[:g]).all() and torch.isfinite(y[g:]).all()
 
 
 def test_output_saturates_to_the_dtype_range():
