@@ -1,0 +1,100 @@
+"""Probe: does an argument check that throws inside an echo_ds.ops constructor reach Python as a
+RuntimeError, or kill the process? (docs/errors.md, "Known gaps"; on the H200 image of 2026-12-04 it
+killed the process.)
+
+Each case runs in its own Python process, so a crash ends only that case; the table gives the exit status
+(negative: the signal), and the last lines of the case's output. Where gdb exists, a crashing case is run
+again under it for a native backtrace. A control case builds a minimal torch extension with the same
+pattern (a class whose pybind11 constructor calls TORCH_CHECK), so the answer separates "this image" from
+"this extension".
+
+    python3 benchmarks/ctor_check_probe.py [--out probe.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import textwrap
+
+PRELUDE = """
+import faulthandler, torch
+faulthandler.enable()
+torch.cuda.init()
+"""
+
+ECHO = PRELUDE + """
+import echo_ds.ops as E
+ext = E.load()
+ctl = torch.zeros(64, dtype=torch.int32, device="cuda")
+flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+"""
+
+CASES = {
+    "echo: function check (pow2_amax, world size 1)": ECHO + """
+x = torch.zeros(256, device="cuda"); a = torch.zeros(1, device="cuda")
+ext.pow2_amax(x, a, None, None, 1, 64, [], 1.0, [], 0)
+""",
+    "echo: P2PSignal with 8 flags": ECHO + """
+ext.P2PSignal([flags.data_ptr()] * 8, ctl.data_ptr(), flags.data_ptr(), 0, None)
+""",
+    "echo: P2PPut with lane 8": ECHO + """
+ext.P2PPut([], [], ctl.data_ptr(), flags.data_ptr(), 0, 8)
+""",
+    "echo: P2PRuntime with world size 3": ECHO + """
+p = flags.data_ptr()
+ext.P2PRuntime(0, 3, [p] * 3, [p] * 3, [p] * 3, 1024, 1024, p, 10**9, 8)
+""",
+    "control: minimal extension, constructor check": PRELUDE + textwrap.dedent('''
+from torch.utils.cpp_extension import load_inline
+src = r"""
+#include <torch/extension.h>
+struct Obj { explicit Obj(int64_t n) { TORCH_CHECK(n <= 7, "Obj: at most 7, got ", n); } };
+void fn(int64_t n) { TORCH_CHECK(n <= 7, "fn: at most 7, got ", n); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Obj>(m, "Obj").def(pybind11::init<int64_t>());
+  m.def("fn", &fn);
+}
+"""
+mod = load_inline("echo_ctor_probe", cpp_sources=[src], extra_cflags=["-O3"])
+for call in (lambda: mod.fn(8), lambda: mod.Obj(8)):
+    try:
+        call()
+    except RuntimeError as e:
+        print("RuntimeError:", str(e).splitlines()[0])
+'''),
+}
+
+
+def run(code: str, timeout: float = 600) -> tuple[int, str]:
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    return p.returncode, (p.stdout + p.stderr)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lines = ["| case | exit status | last output |", "|---|---:|---|"]
+    details = []
+    for name, code in CASES.items():
+        rc, out = run(code)
+        tail = [ln for ln in out.splitlines() if ln.strip() and "WARNING" not in ln][-3:]
+        lines.append(f"| {name} | {rc} | {' / '.join(t.strip()[:120] for t in tail)} |")
+        details.append(f"### {name}: exit status {rc}\n{out[-4000:]}")
+        if rc < 0 and shutil.which("gdb"):
+            p = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 40", "--args", sys.executable, "-c", code],
+                               capture_output=True, text=True, timeout=600)
+            details.append(f"#### gdb backtrace\n{(p.stdout + p.stderr)[-6000:]}")
+    text = "\n".join(lines) + "\n\n" + "\n\n".join(details)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
