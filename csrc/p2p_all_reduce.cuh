@@ -116,6 +116,13 @@ __device__ __forceinline__ void wait_peers(const P2PAllReduceArgs& a, uint64_t (
   __syncthreads();
 }
 
+// -DECHO_P2P_SIGNAL_FENCE=0 builds the signal without the full system fence before the release store (the
+// release alone, as vLLM's custom all-reduce signals), for comparison (benchmarks/RESULTS.md).
+#ifndef ECHO_P2P_SIGNAL_FENCE
+#define ECHO_P2P_SIGNAL_FENCE 1
+#endif
+constexpr bool kSignalFence = ECHO_P2P_SIGNAL_FENCE != 0;
+
 // After the block's data writes: thread t < P, t != rank, publishes flags[t]->field[rank][block] = tag.
 // NOTE: the barrier orders every thread's writes before the fence of the publishing thread, whose
 // cumulativity makes them visible system-wide before its release store.
@@ -124,7 +131,7 @@ __device__ __forceinline__ void signal_peers(const P2PAllReduceArgs& a, uint64_t
   __syncthreads();
   const int t = static_cast<int>(threadIdx.x);
   if (t < kWorld && t != a.rank) {
-    __threadfence_system();
+    if constexpr (kSignalFence) __threadfence_system();
     P2PFlags* f = a.flags[t];
     st_release_sys(kGather ? &f->gather[a.rank][blockIdx.x] : &f->push[a.rank][blockIdx.x], tag);
   }

@@ -5,7 +5,7 @@ MPS their spinning waits and kernels run side by side (benchmarks/p2p_gpu.sh sta
 every dtype, bit width, quantizer, rotation, compensator residual and pow2 setting bit-identical to the
 specification on the device (the emulator, i.e. the reference's operations on CUDA tensors) and across
 ranks, the CPU reference over gloo compared and its differences reported; sizes from 1 element to
-256 MiB; CUDA graph
+256 MiB (P = 8: to 32 MiB); CUDA graph
 capture and replay with new inputs; 10,000 back-to-back calls of mixed sizes; a rank killed in the
 middle of a call turns into EchoP2PTimeout on the others within the timeout. The checks are in
 tests/p2p_suite.py (the CPU run of the same checks is tests/test_p2p_host.py).
@@ -44,9 +44,11 @@ if os.environ.get("ECHO_P2P_QUICK"):  # a short smoke run: the same checks, smal
                    option_stride=3, comp_calls=2)
 
 
-@pytest.mark.parametrize("world_size", (2, 4))
+@pytest.mark.parametrize("world_size", (2, 4, 8))
 def test_gpu_suite(world_size):
-    results = run_distributed(p2p_suite.suite, world_size, GPU_CFG, timeout=400)
+    # P = 8 on one GPU: eight contexts and 16 blocks each; sizes up to 16M elements (the one-launch range).
+    cfg = GPU_CFG if world_size < 8 else dict(GPU_CFG, sizes=[s for s in GPU_CFG["sizes"] if s[0] < 32 * MIB])
+    results = run_distributed(p2p_suite.suite, world_size, cfg, timeout=400)
     assert len({r["device_calls"] for r in results}) == 1
 
 

@@ -1,0 +1,62 @@
+#!/bin/bash
+# One GPU call (2026-12-05): the constructor-check probe, the transport's one-process tests, the p2p suite
+# at P = 8 (quick) and at P = 2, 4 (quick), then the one-launch call with and without the system fence
+# before each signal's release store (-DECHO_P2P_SIGNAL_FENCE=0, its own extension directory, built
+# while the tests run), side by side in one bench_p2p table each, graph replay included.
+#
+#   OUT=/some/dir bash benchmarks/gpu_fence_p8.sh     # BENCH_ARGS overrides the benchmark's arguments
+#
+# Writes to $OUT: env.txt, build.log, probe.txt, test.log, p2p_log.txt, bench_{fence,nofence}.log (two rounds each,
+# appended), bench_{1..4}_{fence,nofence}.json
+# (the JSON and build_nofence.log packed into misc.tgz: the device returns at most 8 files).
+set -u
+OUT=${OUT:-/tmp/fence_p8_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+source benchmarks/gpu_env.sh
+export ECHO_P2P_LOG=$OUT/p2p_log.txt
+: > "$ECHO_P2P_LOG"
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+source benchmarks/gpu_mps.sh
+start_mps
+stamp "MPS: $MPS"
+
+BUILD='import time; t = time.perf_counter()
+import echo_ds.ops as E
+E.load()
+print(f"echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s")'
+timeout 300 python3 -c "$BUILD" > "$OUT/build.log" 2>&1; echo "rc=$?" >> "$OUT/build.log"; tail -2 "$OUT/build.log"
+stamp "built"
+# The variant, built beside the tests (MAX_JOBS halved so the tests keep CPUs).
+NOFENCE_DIR=/tmp/torch_ext_nofence
+(TORCH_EXTENSIONS_DIR=$NOFENCE_DIR ECHO_DS_NVCC_EXTRA=-DECHO_P2P_SIGNAL_FENCE=0 MAX_JOBS=8 \
+  timeout 300 python3 -c "$BUILD" > "$OUT/build_nofence.log" 2>&1) &
+VARIANT=$!
+
+timeout 240 python3 benchmarks/ctor_check_probe.py --out "$OUT/probe.txt" > /dev/null 2>&1
+echo "probe rc=$?"; head -8 "$OUT/probe.txt"
+stamp "probe done"
+
+PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
+{ timeout 100 $PYTEST tests/test_p2p_transport_gpu.py --timeout 90
+  ECHO_P2P_QUICK=1 timeout 300 $PYTEST tests/test_p2p_gpu.py -k "suite" --timeout 280
+  stamp "tests done"
+} 2>&1 | tee "$OUT/test.log" | grep -v "^\[.*WARNING" | tail -12
+
+wait $VARIANT; tail -1 "$OUT/build_nofence.log"
+BENCH_ARGS=${BENCH_ARGS:-"--world-sizes 2,4 --min-bytes 65536 --max-bytes 16777216 --factor 4 --warmup 3 --iters 20 --tile-sweep-bytes 0 --pingpong 0 --graph-reps 20 --stages fused"}
+R=0
+for V in fence nofence fence nofence; do
+  R=$((R + 1))
+  DIR=$([ $V = fence ] && echo "$TORCH_EXTENSIONS_DIR" || echo $NOFENCE_DIR)
+  TORCH_EXTENSIONS_DIR=$DIR timeout 150 python3 benchmarks/bench_p2p.py --json "$OUT/bench_${R}_$V.json" $BENCH_ARGS \
+    >> "$OUT/bench_$V.log" 2>&1
+  stamp "bench $V rc=$?"
+done
+stop_mps
+grep -h "^|" "$OUT/bench_fence.log" "$OUT/bench_nofence.log" | head -60
+cat "$ECHO_P2P_LOG" | tail -12
+(cd "$OUT" && tar czf misc.tgz env.txt build.log build_nofence.log bench_*.json && rm -f build_nofence.log bench_*.json)
+stamp "end"
