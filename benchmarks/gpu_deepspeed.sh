@@ -11,16 +11,11 @@
 # ranks print), deepspeed.json (the report, rewritten after every run), tables.md.
 set -u
 OUT=${OUT:-/tmp/deepspeed_out}
-mkdir -p "$OUT"
-T0=$(date +%s)
 BUDGET=${BUDGET:-450}
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 source benchmarks/gpu_env.sh
-export ECHO_P2P_LOG=$OUT/p2p_log.txt
-: > "$ECHO_P2P_LOG"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1
-  python3 -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, \
-'transformers', transformers.__version__)"; } > "$OUT/env.txt" 2>&1
+session_start "$OUT"
+python3 -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, \
+'transformers', transformers.__version__)" >> "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
 source benchmarks/gpu_mps.sh
@@ -29,12 +24,7 @@ export ECHO_DS_MPS=$MPS  # recorded in the report
 stamp "MPS: $MPS"
 
 # The three builds side by side; each log ends with its exit status.
-( timeout 240 python3 -c "
-import time; t = time.perf_counter()
-import echo_ds.ops as E
-E.load()
-print(f'echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s')" > "$OUT/ops_build.log" 2>&1
-  echo "rc=$?" >> "$OUT/ops_build.log" ) &
+build_ops "$OUT/ops_build.log" 240 &
 ( timeout 240 python3 -c "
 import time; t = time.perf_counter()
 from deepspeed.ops.op_builder import FusedAdamBuilder

@@ -12,3 +12,23 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_ext}
 export TORCH_CUDA_ARCH_LIST=9.0  # DeepSpeed's parser rejects forms such as 9.0a
 export MAX_JOBS=${MAX_JOBS:-16}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# For the session scripts: stamp MSG (seconds since gpu_env.sh was sourced); session_start DIR (DIR made,
+# the p2p log there emptied, the machine in DIR/env.txt); build_ops LOG [LIMIT_S] (the timed build and
+# load of echo_ds.ops, cold on a fresh machine; LOG ends with the exit status).
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+session_start() {
+  mkdir -p "$1"
+  export ECHO_P2P_LOG=$1/p2p_log.txt
+  : > "$ECHO_P2P_LOG"
+  { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1; } > "$1/env.txt" 2>&1
+}
+build_ops() {
+  timeout "${2:-400}" python3 -c "
+import time; t = time.perf_counter()
+import echo_ds.ops as E
+E.load()
+print(f'echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s')" > "$1" 2>&1
+  echo "rc=$?" >> "$1"
+}

@@ -11,28 +11,19 @@
 # (the JSON and build_nofence.log packed into misc.tgz: the device returns at most 8 files).
 set -u
 OUT=${OUT:-/tmp/fence_p8_out}
-mkdir -p "$OUT"
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 source benchmarks/gpu_env.sh
-export ECHO_P2P_LOG=$OUT/p2p_log.txt
-: > "$ECHO_P2P_LOG"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1; } > "$OUT/env.txt" 2>&1
+session_start "$OUT"
 cat "$OUT/env.txt"
 source benchmarks/gpu_mps.sh
 start_mps
 stamp "MPS: $MPS"
 
-BUILD='import time; t = time.perf_counter()
-import echo_ds.ops as E
-E.load()
-print(f"echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s")'
-timeout 300 python3 -c "$BUILD" > "$OUT/build.log" 2>&1; echo "rc=$?" >> "$OUT/build.log"; tail -2 "$OUT/build.log"
+build_ops "$OUT/build.log" 300; tail -2 "$OUT/build.log"
 stamp "built"
 # The variant, built beside the tests (MAX_JOBS halved so the tests keep CPUs).
 NOFENCE_DIR=/tmp/torch_ext_nofence
 (TORCH_EXTENSIONS_DIR=$NOFENCE_DIR ECHO_DS_NVCC_EXTRA=-DECHO_P2P_SIGNAL_FENCE=0 MAX_JOBS=8 \
-  timeout 300 python3 -c "$BUILD" > "$OUT/build_nofence.log" 2>&1) &
+  build_ops "$OUT/build_nofence.log" 300) &
 VARIANT=$!
 
 timeout 240 python3 benchmarks/ctor_check_probe.py --out "$OUT/probe.txt" > /dev/null 2>&1

@@ -10,20 +10,10 @@
 set -u
 OUT=${OUT:-/tmp/int_format_out}
 W=$OUT/run
-mkdir -p "$W"
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 source benchmarks/gpu_env.sh
-export ECHO_P2P_LOG=$W/p2p_log.txt
-: > "$ECHO_P2P_LOG"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1; } > "$W/env.txt" 2>&1
+session_start "$W"
 
-timeout 400 python3 -c "
-import time; t = time.perf_counter()
-import echo_ds.ops as E
-E.load()
-print(f'echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s')" > "$W/ops_build.log" 2>&1
-echo "rc=$?" >> "$W/ops_build.log"; tail -2 "$W/ops_build.log"
+build_ops "$W/ops_build.log"; tail -2 "$W/ops_build.log"
 stamp "built"
 
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider"

@@ -11,24 +11,14 @@
 # Writes to $OUT: env.txt, ops_build.log, test.log, p2p_log.txt, bench[_MODE].log, bench[_MODE].json.
 set -u
 OUT=${OUT:-/tmp/one_launch_out}
-mkdir -p "$OUT"
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 source benchmarks/gpu_env.sh
-export ECHO_P2P_LOG=$OUT/p2p_log.txt
-: > "$ECHO_P2P_LOG"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1; } > "$OUT/env.txt" 2>&1
+session_start "$OUT"
 
 source benchmarks/gpu_mps.sh
 start_mps
 stamp "MPS: $MPS"
 
-timeout 400 python3 -c "
-import time; t = time.perf_counter()
-import echo_ds.ops as E
-E.load()
-print(f'echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s')" > "$OUT/ops_build.log" 2>&1
-echo "rc=$?" >> "$OUT/ops_build.log"; tail -3 "$OUT/ops_build.log"
+build_ops "$OUT/ops_build.log"; tail -3 "$OUT/ops_build.log"
 stamp "built"
 
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"

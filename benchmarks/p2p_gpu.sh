@@ -12,15 +12,9 @@
 # bench.json.
 set -u
 OUT=${OUT:-/tmp/p2p_out}
-mkdir -p "$OUT"
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 source benchmarks/gpu_env.sh
-export ECHO_P2P_LOG=$OUT/p2p_log.txt
-: > "$ECHO_P2P_LOG"
-
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nvcc --version | tail -1
-  python3 -c "import torch, deepspeed; from cuda import bindings; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'cuda-bindings', bindings.__version__)"; } > "$OUT/env.txt" 2>&1
+session_start "$OUT"
+python3 -c "import torch, deepspeed; from cuda import bindings; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'cuda-bindings', bindings.__version__)" >> "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
 # MPS, with its own pipe directory; checked with one CUDA context before it is relied on.
@@ -29,12 +23,7 @@ start_mps
 stamp "MPS: $MPS"
 
 # echo_ds.ops, the one extension (the transport's kernels, the Echo stages, the one-launch call).
-timeout 400 python3 -c "
-import time; t = time.perf_counter()
-import echo_ds.ops as E
-E.load()
-print(f'echo_ds.ops JIT build/load: {time.perf_counter() - t:.1f} s')" > "$OUT/ops_build.log" 2>&1
-echo "rc=$?" >> "$OUT/ops_build.log"; tail -3 "$OUT/ops_build.log"
+build_ops "$OUT/ops_build.log"; tail -3 "$OUT/ops_build.log"
 stamp "echo_ds.ops built"
 
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
