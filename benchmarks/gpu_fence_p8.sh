@@ -1,6 +1,6 @@
 #!/bin/bash
 # One GPU call (2026-12-05): the constructor-check probe, the transport's one-process tests, the p2p suite
-# at P = 8 (quick) and at P = 2, 4 (quick), then the one-launch call with and without the system fence
+# at P = 8 (quick; TESTS="suite" adds P = 2 and 4), then the one-launch call with and without the system fence
 # before each signal's release store (-DECHO_P2P_SIGNAL_FENCE=0, its own extension directory, built
 # while the tests run), side by side in one bench_p2p table each, graph replay included.
 #
@@ -32,17 +32,17 @@ stamp "probe done"
 
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
 { timeout 100 $PYTEST tests/test_p2p_transport_gpu.py --timeout 90
-  ECHO_P2P_QUICK=1 timeout 300 $PYTEST tests/test_p2p_gpu.py -k "suite" --timeout 280
+  ECHO_P2P_QUICK=1 timeout 240 $PYTEST tests/test_p2p_gpu.py -k "${TESTS:-suite and 8}" --timeout 220
   stamp "tests done"
 } 2>&1 | tee "$OUT/test.log" | grep -v "^\[.*WARNING" | tail -12
 
 wait $VARIANT; tail -1 "$OUT/build_nofence.log"
-BENCH_ARGS=${BENCH_ARGS:-"--world-sizes 2,4 --min-bytes 65536 --max-bytes 16777216 --factor 4 --warmup 3 --iters 20 --tile-sweep-bytes 0 --pingpong 0 --graph-reps 20 --stages fused"}
+BENCH_ARGS=${BENCH_ARGS:-"--world-sizes 2,4 --min-bytes 65536 --max-bytes 16777216 --factor 16 --warmup 3 --iters 20 --tile-sweep-bytes 0 --pingpong 0 --graph-reps 20 --stages fused"}
 R=0
 for V in fence nofence fence nofence; do
   R=$((R + 1))
   DIR=$([ $V = fence ] && echo "$TORCH_EXTENSIONS_DIR" || echo $NOFENCE_DIR)
-  TORCH_EXTENSIONS_DIR=$DIR timeout 150 python3 benchmarks/bench_p2p.py --json "$OUT/bench_${R}_$V.json" $BENCH_ARGS \
+  TORCH_EXTENSIONS_DIR=$DIR timeout 100 python3 benchmarks/bench_p2p.py --json "$OUT/bench_${R}_$V.json" $BENCH_ARGS \
     >> "$OUT/bench_$V.log" 2>&1
   stamp "bench $V rc=$?"
 done
