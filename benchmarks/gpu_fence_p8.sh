@@ -37,7 +37,7 @@ PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
 } 2>&1 | tee "$OUT/test.log" | grep -v "^\[.*WARNING" | tail -12
 
 wait $VARIANT; tail -1 "$OUT/build_nofence.log"
-BENCH_ARGS=${BENCH_ARGS:-"--world-sizes 2,4 --min-bytes 65536 --max-bytes 16777216 --factor 16 --warmup 3 --iters 20 --tile-sweep-bytes 0 --pingpong 0 --graph-reps 20 --stages fused"}
+BENCH_ARGS=${BENCH_ARGS:-"--world-sizes 2,4 --min-bytes 65536 --max-bytes 16777216 --factor 16 --warmup 3 --iters 10 --tile-sweep-bytes 0 --pingpong 0 --graph-reps 10 --stages fused"}
 R=0
 for V in fence nofence fence nofence; do
   R=$((R + 1))
