@@ -1,5 +1,6 @@
 """Bits per value on the wire against accuracy, for every 4-bit format the accuracy studies measured
-(docs/results/param_format_study*.json, docs/results/grid_study*.json; SmolLM2-135M, P = 4, three texts):
+(docs/results/param_format_study*.json, docs/results/grid_study*.json, zero_aware_int_study.json, and the
+default format with the compensator study's best forward settings; SmolLM2-135M, P = 4, three texts):
 the worst text's perplexity change (the goal is +5 % on every text) and the mean KL over the texts.
 
     python benchmarks/plot_format_tradeoff.py --out docs/results/format_tradeoff.png
@@ -18,20 +19,29 @@ SOURCES = ("docs/results/param_format_study*.json", "docs/results/grid_study.jso
 # The same format under another name (their rows reproduce each other to the digit): the second study's
 # uniform grids, and the first study's 12 + 4 bit format, which the library ships as "zero_aware_int".
 ALIASES = {"g128_uniform": "g128_fp16", "g64_uniform": "g64_fp16", "g64_ue5m7_uint4": "g64_zero_aware_int"}
+# Rows of other studies that are formats with another setting: (file, row) -> the name plotted.
+EXTRA = {("docs/results/compensator_study_round2.json", "fast0_blend0.15"): "g64_zero_aware_int_fast0_blend0.15"}
+DEFAULT = "g64_zero_aware_int"  # the shipped default (red)
 
 
 def collect() -> dict:
     """variant -> {"bits": b, "worst_ppl": max over texts of the change in %, "mean_kl": ...}."""
     per = {}
+
+    def add(name: str, text: str, r: dict) -> None:
+        v = per.setdefault(name, {"bits": r["wire_bits_per_element"], "ppl": {}, "kl": {}})
+        v["ppl"][text] = 100 * r["ppl_rel_change"]
+        v["kl"][text] = r["kl"]
+
     for pattern in SOURCES:
         for f in sorted(glob.glob(str(REPO / pattern))):
             for run in json.loads(Path(f).read_text())["runs"]:
                 for r in run["results"][1:]:
-                    if r["name"] in ALIASES:
-                        continue
-                    v = per.setdefault(r["name"], {"bits": r["wire_bits_per_element"], "ppl": {}, "kl": {}})
-                    v["ppl"][run["text"]] = 100 * r["ppl_rel_change"]
-                    v["kl"][run["text"]] = r["kl"]
+                    if r["name"] not in ALIASES:
+                        add(r["name"], run["text"], r)
+    for (f, row), name in EXTRA.items():
+        for run in json.loads((REPO / f).read_text())["runs"]:
+            add(name, run["text"], next(r for r in run["results"] if r["name"] == row))
     return {n: dict(bits=v["bits"], worst_ppl=max(v["ppl"].values()), mean_kl=sum(v["kl"].values()) / len(v["kl"]))
             for n, v in per.items() if len(v["ppl"]) == 3}
 
@@ -55,7 +65,7 @@ def main() -> int:
     for ax, key, label, goal in ((axes[0], "worst_ppl", "worst text's perplexity change (%)", 5.0),
                                  (axes[1], "mean_kl", "mean KL(16-bit || Echo) over the texts", None)):
         for n, p in points.items():
-            ax.scatter(p["bits"], p[key], color="C3" if n == "g128_fp16" else "C0", zorder=3)
+            ax.scatter(p["bits"], p[key], color="C3" if n == DEFAULT else "C0", zorder=3)
             ax.annotate(n, (p["bits"], p[key]), textcoords="offset points", xytext=(4, 2), fontsize=7)
         ax.axvline(4.25, color="gray", linestyle=":", linewidth=1)
         if goal is not None:
@@ -64,7 +74,7 @@ def main() -> int:
         ax.set_xlabel("bits per value on the wire (codes + group parameters)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    fig.suptitle("4-bit formats, SmolLM2-135M at P = 4, three texts (red: today's default)", fontsize=10)
+    fig.suptitle("4-bit formats, SmolLM2-135M at P = 4, three texts (red: the default)", fontsize=10)
     fig.tight_layout()
     out = REPO / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
