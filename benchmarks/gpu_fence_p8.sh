@@ -48,6 +48,6 @@ for V in fence nofence fence nofence; do
 done
 stop_mps
 grep -h "^|" "$OUT/bench_fence.log" "$OUT/bench_nofence.log" | head -60
-cat "$ECHO_P2P_LOG" | tail -12
+tail -12 "$ECHO_P2P_LOG"
 (cd "$OUT" && tar czf misc.tgz env.txt build.log build_nofence.log bench_*.json && rm -f build_nofence.log bench_*.json)
 stamp "end"
