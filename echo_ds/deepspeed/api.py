@@ -5,6 +5,11 @@ A user adds an ``"echo"`` section to ds_config.json and changes one line::
     engine, optimizer, _, scheduler = echo_ds.initialize(model=model, config="ds_config.json", ...)
 
 ``enable(engine)`` does the same for an engine built elsewhere. The training loop does not change.
+
+Two environment variables, read by ``enable`` (so once per ``initialize`` / ``init_inference``) and
+logged once, override the config without editing it: ``ECHO_DS_DISABLE=1`` leaves every all-reduce to
+DeepSpeed (``initialize`` is then ``deepspeed.initialize``), and ``ECHO_DS_BACKEND=reference`` (or
+``auto``, ``p2p``) replaces the section's ``"backend"``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from deepspeed.module_inject.layers import is_autotp_training_mode
 
 from . import layers as echo_layers
+from . import policy
 from ..config import read_ds_config
 from ..log import log_once
 from .runtime import EchoRuntime
@@ -133,7 +139,9 @@ def enable(engine, config=None, *, quantize_lm_head: Optional[bool] = None, tele
         None lets the policy decide (Hugging Face gradient checkpointing and reentrant checkpoints).
 
     Returns the ``EchoRuntime`` (also ``get_runtime(engine)``), or None when Echo is not enabled (no
-    ``"echo"`` section, ``"enabled": false``, or no tensor-parallel layer in the model).
+    ``"echo"`` section, ``"enabled": false``, ``ECHO_DS_DISABLE=1`` in the environment, or no
+    tensor-parallel layer in the model). ``ECHO_DS_BACKEND`` overrides the config's ``"backend"``; both
+    variables are read here, once per call, and what they change is logged once.
     """
     from echo_ds.config import check_count, check_flag
 
@@ -142,6 +150,10 @@ def enable(engine, config=None, *, quantize_lm_head: Optional[bool] = None, tele
         check_flag("echo_ds.enable", name, value, optional=True)
     check_flag("echo_ds.enable", "coalesce", coalesce)
     check_count("echo_ds.enable", "site_check_interval", site_check_interval)
+    switches = policy.environment_switches(os.environ)  # the environment, read once per engine
+    if switches.disabled:
+        log_once(*policy.environment_message(switches, None))
+        return None
     root, ds_dict, monitor, step_fn, log_interval = _engine_parts(engine)
     if get_runtime(root) is not None:
         raise RuntimeError("echo: this model already runs through Echo; call echo_ds.deepspeed.disable(engine) "
@@ -150,6 +162,11 @@ def enable(engine, config=None, *, quantize_lm_head: Optional[bool] = None, tele
     if cfg is None or not cfg.enabled:
         log_once("info", "echo: no enabled \"echo\" section in the config; DeepSpeed's all-reduces are used")
         return None
+    message = policy.environment_message(switches, cfg.backend)
+    if message is not None:
+        log_once(*message)
+    if switches.backend is not None and switches.backend != cfg.backend:
+        cfg = cfg.model_copy(update={"backend": switches.backend})  # a copy: the caller's config stays as given
     if quantize_lm_head is None:
         quantize_lm_head = bool(getattr(cfg, "quantize_lm_head", False))
     if telemetry is None:

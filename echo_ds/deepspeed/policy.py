@@ -9,7 +9,7 @@ back to the reference path instead of stopping a run that could go on (vLLM's cu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 from echo_ds.config import BACKENDS
 from echo_ds.quant import SUPPORTED_BITS
@@ -28,6 +28,63 @@ class BackendChoice:
     name: str
     reason: str
     level: str
+
+
+# The environment switches, for operators who suspect Echo and want it out of the way without editing the
+# config (as other libraries offer for their custom all-reduce). Read once per engine, by ``enable``.
+DISABLE_VAR = "ECHO_DS_DISABLE"  # 1: Echo off, DeepSpeed's own all-reduces
+BACKEND_VAR = "ECHO_DS_BACKEND"  # one of BACKENDS: overrides "backend" of the "echo" section
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class EnvironmentSwitches:
+    """What the environment asks of Echo.
+
+    disabled: ``ECHO_DS_DISABLE`` is set to 1 (or true/yes/on): Echo stays off whatever the config says.
+    backend: ``ECHO_DS_BACKEND``, one of ``BACKENDS``, or None where it is unset or empty (the config's).
+    """
+
+    disabled: bool = False
+    backend: Optional[str] = None
+
+
+def environment_switches(environ: Mapping[str, str]) -> EnvironmentSwitches:
+    """Read ``ECHO_DS_DISABLE`` and ``ECHO_DS_BACKEND`` from ``environ`` (pure: pass ``os.environ``).
+
+    A value that is neither on nor off, or a backend that does not exist, raises ValueError naming the
+    variable, the value and what is allowed: a typo must not leave Echo running when the operator meant
+    to turn it off.
+    """
+    raw = environ.get(DISABLE_VAR, "")
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{DISABLE_VAR}={raw!r}: must be 1 (Echo off: DeepSpeed's own all-reduces) or 0 / unset "
+                         f"(Echo as configured); also accepted: {', '.join(v for v in _TRUE + _FALSE if v)}")
+    raw_backend = environ.get(BACKEND_VAR, "")
+    backend = raw_backend.strip().lower() or None
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"{BACKEND_VAR}={raw_backend!r}: must be one of {', '.join(BACKENDS)} (it overrides "
+                         f'"backend" of the "echo" section), or unset')
+    return EnvironmentSwitches(disabled=value in _TRUE, backend=backend)
+
+
+def environment_message(switches: EnvironmentSwitches, configured_backend: Optional[str]) -> Optional[Tuple[str, str]]:
+    """(level, message) to log once about what the environment changed, or None where it changed nothing.
+
+    configured_backend: the config's ``"backend"`` (None when there is no enabled "echo" section).
+    """
+    if switches.disabled:
+        return ("warning", f"echo: {DISABLE_VAR}=1 in the environment: Echo is off and DeepSpeed's own "
+                           f"all-reduces are used, whatever the \"echo\" section says (unset {DISABLE_VAR} to "
+                           f"turn Echo back on)")
+    if switches.backend is None or configured_backend is None:
+        return None
+    if switches.backend == configured_backend:
+        return ("info", f'echo: {BACKEND_VAR}={switches.backend} in the environment, as the config has it')
+    return ("warning", f'echo: {BACKEND_VAR}={switches.backend} in the environment overrides "backend": '
+                       f'"{configured_backend}" of the "echo" section (unset {BACKEND_VAR} to use the config\'s)')
 
 
 def p2p_transport_status(device_type: str, world_size: int, kernels_error: Optional[str] = None,
