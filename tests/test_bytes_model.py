@@ -137,3 +137,38 @@ def test_memory_by_hand():
     assert B.state_bytes(1 << 20, 4, 64) == 4 * (1 << 20)
     G = math.ceil(1000 / (2 * 64))
     assert B.staged_schedule_bytes(1000, 2, 4, 64) == G * 32 + 4 * G + 8
+
+
+def test_bench_p2p_floor_columns(capsys):
+    """benchmarks/bench_p2p.py's floor table from a synthetic sweep (no GPU): the floor is the ranks' model
+    bytes at the run's copy bandwidth, "% of floor" the floor over the measured time; --help names them."""
+    bench = _load("bench_p2p")
+    from echo_ds.quant import QuantSpec
+
+    P, size = 2, 64 << 20
+    spec = QuantSpec(4, 128, "zero_aware", rotation=True)
+    row = {"P": P, "bytes": size, "bits": 4, "stages": "one launch", "ok": True, "check": "emulator", "copy_s": 5e-5,
+           "memory": {"y_bytes": size, "held_bytes": 0, "peak_extra_bytes": 0}}
+    times = {"uncompensated": 200e-6, "compensated": 400e-6}
+    for label, residual in (("uncompensated", "none"), ("compensated", "local")):
+        row[label] = {"median_s": 2 * times[label], "min_s": times[label], "max_s": 3 * times[label],
+                      "host_median_s": 1e-5, "graph_median_s": times[label], "graph_min_s": times[label],
+                      "graph_max_s": times[label], "model": bench._model(P, size // 2, spec, residual, False)}
+    report = {"copy": {"bytes_per_s": 4.0e12}, "gpus": 1, "launch": {"eager_s": 3e-6, "graph_s": 1e-6},
+              "flags": None}
+    cfg = {"group_size": 128, "quantizer": "zero_aware", "rotation": "hadamard", "pow2": False, "iters": 10,
+           "graph_reps": 10, "tile_sweep_bytes": 0}
+    bench.print_sweep(P, {"rows": [row], "tiles": []}, report, cfg)
+    out = capsys.readouterr().out
+    floor_line = next(line for line in out.splitlines() if line.startswith("| 64 MiB | 179.00 MiB"))
+    # 5.59375 bytes per element x 32 Mi elements x 2 ranks at 4 TB/s = 93.8 us: 47 % of 200 us.
+    floor = 2 * 5.59375 * (size // 2) / 4.0e12
+    assert f"{floor * 1e6:.1f} us" in floor_line
+    assert f"{100 * floor / 200e-6:.0f} %" in floor_line
+    comp_floor = 2 * 13.59375 * (size // 2) / 4.0e12
+    assert f"{comp_floor * 1e6:.1f} us" in floor_line and f"{100 * comp_floor / 400e-6:.0f} %" in floor_line
+    assert row["compensated"]["floor_s"] == pytest.approx(comp_floor)
+    assert bench.ranks_per_gpu(4, 1) == 4 and bench.ranks_per_gpu(4, 8) == 1 and bench.ranks_per_gpu(8, 2) == 4
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    assert "% of floor" in capsys.readouterr().out
