@@ -306,9 +306,16 @@ def _measure_call(dev, fn):
     return y, {"y_bytes": y_bytes, "held_bytes": after - before - y_bytes, "peak_extra_bytes": peak - before - y_bytes}
 
 
-def _model(P, n, spec, residual, pow2):
-    """The bytes model of one call (benchmarks/bytes_model.py), as a dict."""
-    return BM.call_bytes(P, n, "bfloat16", spec.bits, spec.group_size, spec.quantizer, residual, pow2).as_dict()
+def _model(P, n, spec, residual, pow2, comp=None):
+    """The bytes model of one call (benchmarks/bytes_model.py), as a dict. comp: the call's compensator, whose
+    stored format sets the state's bytes (bf16 m1 and m2 where it names none)."""
+    state = BM.kStateBytesPerElement
+    if comp is not None and getattr(comp, "state_dtype", "bf16") != "bf16":
+        from echo_ds import compensator as C
+
+        state = C.state_bytes_per_element(comp.state_dtype, spec.group_size)
+    return BM.call_bytes(P, n, "bfloat16", spec.bits, spec.group_size, spec.quantizer, residual, pow2,
+                         state).as_dict()
 
 
 def _sweep(buf, rank, P, dev, spec, args):
@@ -353,7 +360,7 @@ def _sweep(buf, rank, P, dev, spec, args):
             med, lo, hi = _median_spread(secs)
             row[label] = {"median_s": med, "min_s": lo, "max_s": hi, "host_median_s": statistics.median(host)}
             if stages != "staged torch":
-                row[label]["model"] = _model(P, n, spec, "none" if comp is None else comp.residual, pow2)
+                row[label]["model"] = _model(P, n, spec, "none" if comp is None else comp.residual, pow2, comp)
             if args["graph_reps"]:
                 g_med, g_lo, g_hi = _time_graph(buf, x, spec, comp, pow2, args["iters"], args["graph_reps"])
                 row[label].update(graph_median_s=g_med, graph_min_s=g_lo, graph_max_s=g_hi)

@@ -86,9 +86,9 @@ class Pass:
     """One pass of the call: the group's bytes (all ranks together), read, written, sent to peers."""
 
     name: str
-    read_bytes: int
-    write_bytes: int
-    sent_bytes: int = 0
+    read_bytes: float  # integers with the bf16 state
+    write_bytes: float
+    sent_bytes: float = 0
 
 
 @dataclass(frozen=True)
@@ -144,14 +144,16 @@ class CallBytes:
 
 
 def call_bytes(world_size: int, numel: int, dtype="bfloat16", bits: int = 4, group_size: int = 64,
-               quantizer: str = "zero_aware_int", residual: str = "none", pow2=False) -> CallBytes:
+               quantizer: str = "zero_aware_int", residual: str = "none", pow2=False,
+               state_bytes_per_element=kStateBytesPerElement) -> CallBytes:
     """The bytes of one Echo all-reduce call of ``numel`` elements over ``world_size`` ranks (see the module
     docstring for each pass).
 
     dtype: of x and y (torch dtype, name, or element size in bytes). residual: "none" (no compensator),
     "local" or "output" (the compensator's residual; both read the state, "local" updates it in the entry
     and the owner reduce, "output" in the tail). pow2: the call's pow2_rescale (False, True or "auto"; the
-    max pass runs unless it is False).
+    max pass runs unless it is False). state_bytes_per_element: of m1 and m2 together (4: bf16 each; a
+    narrower stored format gives its own, e.g. echo_ds.compensator.state_bytes_per_element where it exists).
     """
     P = int(world_size)
     if P < 1:
@@ -172,7 +174,7 @@ def call_bytes(world_size: int, numel: int, dtype="bfloat16", bits: int = 4, gro
     # x below n, per segment: the sent segments' share and the owned segment's, summed over the ranks.
     x_owned = n * s  # every segment is owned once over the group
     x_sent = (P - 1) * n * s  # and sent by the P - 1 other ranks
-    state_read = kStateBytesPerElement  # m1 + m2, bytes per padded element (the same to write them)
+    state_read = state_bytes_per_element  # m1 + m2, bytes per padded element (the same to write them)
     if P == 1:  # EchoBuffer.all_reduce returns a copy of x
         return CallBytes(P, n, (Pass("copy", n * s, n * s),))
     passes = []
@@ -225,11 +227,11 @@ def workspace_bytes(max_numel: int, world_size: int, min_group_size: int = 16) -
     return out
 
 
-def state_bytes(numel: int, world_size: int, group_size: int) -> int:
-    """One compensator's state for calls of ``numel`` elements: m1 and m2, bf16, over the padded length
-    (one per call site and direction)."""
+def state_bytes(numel: int, world_size: int, group_size: int, state_bytes_per_element=kStateBytesPerElement):
+    """One compensator's state for calls of ``numel`` elements: m1 and m2 (bf16 by default) over the padded
+    length (one per call site and direction)."""
     G = max(1, math.ceil(numel / (world_size * group_size)))
-    return kStateBytesPerElement * world_size * G * group_size
+    return state_bytes_per_element * world_size * G * group_size
 
 
 def staged_schedule_bytes(numel: int, world_size: int, bits: int, group_size: int) -> int:

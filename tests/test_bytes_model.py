@@ -172,3 +172,17 @@ def test_bench_p2p_floor_columns(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--help"])
     assert "% of floor" in capsys.readouterr().out
+
+
+def test_narrow_state_format():
+    """A narrower stored state (e.g. 8-bit m1, m2 and one exponent byte per group of 64: 2 + 1/64 bytes per
+    element) scales the state's passes and nothing else."""
+    n = 1 << 20
+    base = dict(world_size=2, numel=n, dtype="bfloat16", bits=4, group_size=64, quantizer="zero_aware_int",
+                residual="local")
+    bf16 = B.call_bytes(**base)
+    narrow = B.call_bytes(**base, state_bytes_per_element=2 + 1 / 64)
+    plain = B.call_bytes(**dict(base, residual="none"))
+    assert narrow.read_bytes - plain.read_bytes == pytest.approx((2 + 1 / 64) * n)
+    assert narrow.write_bytes - plain.write_bytes == pytest.approx((2 + 1 / 64) * n)
+    assert bf16.sent_bytes == narrow.sent_bytes
