@@ -7,6 +7,11 @@ Each rank holds random partials of a pre-norm residual stream: at every site the
 added to the stream, so the deviation at the end is the partial sum of the errors the sites injected.
 The demo runs the same sites through the reference Echo all-reduce without and with compensation and
 prints, against the exact sum: the mean error of one call and the deviation accumulated over the pass.
+
+With compensation the error of one call is expected to be larger, not smaller: each rank sends
+x_i + c_i, where the correction c_i cancels the rounding errors earlier calls left in the stream, so a
+call's output differs from that call's exact sum by the correction as well as by its own rounding. What
+compensation buys is the second column: the accumulated deviation, which is what the model sees.
 """
 
 from __future__ import annotations
@@ -18,6 +23,13 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+# Printed under the table when a compensated variant's one-call error exceeds the uncompensated one.
+WHY_ONE_CALL_IS_LARGER = (
+    "With compensation one call's error is larger by design: each rank sends its contribution plus the\n"
+    "correction that cancels the errors earlier calls left in the stream, so a call's output also differs\n"
+    "from that call's exact sum by the correction. The accumulated column is what the model sees.")
 
 
 def _free_port() -> int:
@@ -86,8 +98,10 @@ def main(argv=None):
     print(f"{'variant':32s} {'error of one call':>18s} {'accumulated over the pass':>26s}")
     for name, call_err, acc_err in rows:
         print(f"{name:32s} {call_err:18.4%} {acc_err:26.4%}")
-    print("(errors are relative L2 norms against the exact fp32 sum; the accumulated row is the "
+    print("(errors are relative L2 norms against the exact fp32 sum; the accumulated column is the "
           "deviation of the residual stream)")
+    if any(call_err > rows[0][1] for _, call_err, _ in rows[1:]):
+        print(WHY_ONE_CALL_IS_LARGER)
 
 
 if __name__ == "__main__":
