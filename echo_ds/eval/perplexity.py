@@ -19,6 +19,14 @@ Examples (from the repository root)::
         --dtype bfloat16 --echo-config echo4=ds_configs/eval/4bit_full.json \\
         --echo-config echo8=ds_configs/eval/8bit_full.json
 
+    # QuickReduce's INT4 and vLLM's fp8 quantized all-reduce next to the paper's 4-bit method, emulated the
+    # same way (echo_ds/eval/peers.py: each peer's format and how its two-shot all-reduce runs)
+    python -m echo_ds.eval perplexity --peer quickreduce_int4 --peer vllm_fp8 \\
+        --echo-config ds_configs/eval/4bit_full.json
+
+``--peer`` names a published low-bit all-reduce (``--help`` lists them), evaluated as an emulation of how
+it runs; its row's wire bits count its codes and scales as ours are counted.
+
 ``--echo-config`` takes ``NAME=PATH``, a bare ``PATH`` (named after the file) or a directory (each of its
 ``*.json`` files, in name order). A file holds a ds_config with an ``"echo"`` section or a bare ``"echo"``
 section; an optional top-level ``"description"`` string is shown in the JSON results.
@@ -164,6 +172,8 @@ def evaluate(model, emulator, sequences: list, variants: list, progress: bool = 
     """
     from tqdm.auto import tqdm
 
+    from echo_ds.eval.peers import PeerFormat
+
     device = next(model.parameters()).device
     all_variants = [Variant(BASELINE_NAME, None, None, "the unmodified model (exact all-reduce)")] + list(variants)
     totals = [_Totals() for _ in all_variants]
@@ -209,8 +219,12 @@ def evaluate(model, emulator, sequences: list, variants: list, progress: bool = 
             "seconds": tot.seconds,
             "description": variant.description,
             "config_file": variant.source,
-            "echo": variant.config.model_dump(mode="json") if variant.config is not None else None,
         })
+        # An Echo config's section under "echo"; a peer format (echo_ds.eval.peers) under "peer".
+        kind = "peer" if isinstance(variant.config, PeerFormat) else "echo"
+        results[-1][kind] = variant.config.model_dump(mode="json") if variant.config is not None else None
+        if kind == "peer":
+            results[-1]["echo"] = None
     return results
 
 
@@ -303,6 +317,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--echo-config", action="append", default=[], metavar="NAME=PATH",
                         help="an Echo config to evaluate (repeatable): NAME=PATH, PATH, or a directory of "
                              ".json files; the 16bit baseline is always included")
+    from echo_ds.eval.peers import PEERS
+    parser.add_argument("--peer", action="append", default=[], metavar="NAME", choices=list(PEERS),
+                        help="a published low-bit all-reduce to evaluate, emulated as it runs (repeatable; "
+                             "echo_ds/eval/peers.py describes each): " + ", ".join(PEERS))
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="plot perplexity against bits on the wire")
     parser.add_argument("--threads", type=int, default=None,
@@ -313,7 +331,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from echo_ds.eval.models import load_model, parse_dtype
-    from echo_ds.eval.tp_emulation import TPEmulator, describe_partitions
+    from echo_ds.eval.peers import PeerTPEmulator, get_peer
+    from echo_ds.eval.tp_emulation import describe_partitions
 
     if args.tokens < 2:
         raise SystemExit(f"--tokens {args.tokens} must be at least 2")
@@ -322,6 +341,13 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     variants = parse_variant_specs(args.echo_config)
+    taken = {BASELINE_NAME} | {v.name for v in variants}
+    for name in getattr(args, "peer", []):
+        if name in taken:
+            raise SystemExit(f"--peer {name}: the name is taken (given twice, or by an --echo-config)")
+        taken.add(name)
+        peer = get_peer(name)
+        variants.append(Variant(name, peer, peer.source, peer.description))
     text = read_text(args.text)
     dtype = parse_dtype(args.dtype)
 
@@ -333,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     if num_tokens < args.tokens:
         log(f"note: the text has only {num_tokens} tokens (asked for {args.tokens})")
 
-    with TPEmulator(loaded.model, args.tp) as tp:
+    with PeerTPEmulator(loaded.model, args.tp) as tp:
         splits = describe_partitions(tp.plans)
         log(f"{tp.num_sites} forward sites at P={args.tp}; {len(sequences)} sequences, {num_tokens} tokens; "
             f"{len(variants)} configs + {BASELINE_NAME}")
