@@ -54,6 +54,7 @@ EXTERNAL_OPTIONS = {
     "--prec-div": "nvcc (the builder's flags)",
     "--prec-sqrt": "nvcc (the builder's flags)",
     "--no-build-isolation": "pip",
+    "--no-deps": "pip (the studies' wheels are installed without their dependencies)",
 }
 
 # Where commands in the docs write their outputs (never committed): a relative path under it is not checked.
@@ -581,3 +582,320 @@ out/anything.json, `out/anything.json`, /tmp/anything.json and `$OUT/anything.js
     assert {"bits", "forward", "backward", "early_sites", "backend", "quantize_lm_head"} <= set(models["EchoConfig"])
     assert "pow2_rescale" in models["BackwardConfig"] and "pow2_rescale" in models["ForwardConfig"]
     assert "residual" in models["ForwardConfig"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Defaults: what the docs say the defaults are is what echo_ds/config.py declares
+# ----------------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def config_defaults() -> dict:
+    """The default of every field of EchoConfig as echo_ds/config.py's source declares it (read from the
+    AST, as config_models): {field: value}, nested sections as dicts, base classes' defaults included."""
+    classes = {n.name: n for n in module_tree(REPO / "echo_ds" / "config.py").body if isinstance(n, ast.ClassDef)}
+
+    def value_of(node: ast.expr):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "Field":
+            for kw in node.keywords:
+                if kw.arg == "default_factory":
+                    return defaults(ast.unparse(kw.value))
+                if kw.arg == "default":
+                    return ast.literal_eval(kw.value)
+            return ast.literal_eval(node.args[0])
+        return ast.literal_eval(node)
+
+    def defaults(name: str) -> dict:
+        cls, out = classes[name], {}
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                out.update(defaults(base.id))
+        for node in cls.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None \
+                    and not node.target.id.startswith("_") and "ClassVar" not in ast.unparse(node.annotation):
+                out[node.target.id] = value_of(node.value)
+        return out
+
+    return defaults("EchoConfig")
+
+
+def same_value(a, b) -> bool:
+    """Equal and of the same JSON kind (true is not 1; 1 and 1.0 are the same number)."""
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+
+def default_mismatches(section: dict, defaults: dict, where: str = "echo") -> list:
+    """The keys of ``section`` whose value is not the default (nested sections followed)."""
+    bad = []
+    for key, value in section.items():
+        if key not in defaults:
+            continue  # not a field: test_echo_config_snippets_are_valid reports it
+        if isinstance(defaults[key], dict) and isinstance(value, dict):
+            bad += default_mismatches(value, defaults[key], f"{where}.{key}")
+        elif not same_value(value, defaults[key]):
+            bad.append(f"{where}.{key}={value!r} (the default is {defaults[key]!r})")
+    return bad
+
+
+def defaults_snippets(doc: str) -> list:
+    """The "echo" snippets that state the defaults: in echo_ds/config.py's docstring, its one snippet;
+    in a doc, every snippet with a comment that says "at its default"."""
+    import hjson
+
+    if doc.endswith(".py"):
+        return [hjson.loads(s) for s in echo_snippets(ast.get_docstring(module_tree(REPO / doc)))]
+    return [hjson.loads(s) for s in echo_snippets(read(doc)) if "at its default" in s]
+
+
+@pytest.mark.parametrize("doc", ["echo_ds/config.py", "README.md"])
+def test_the_defaults_shown_are_the_codes(doc):
+    snippets = defaults_snippets(doc)
+    assert snippets, f"{doc}: no \"echo\" snippet of the defaults found"
+    for snippet in snippets:
+        bad = default_mismatches(snippet, config_defaults())
+        assert not bad, f"{doc} shows as defaults what echo_ds/config.py does not declare: " + "; ".join(bad)
+
+
+def markdown_table(text: str, first_header: str) -> tuple:
+    """(header cells, rows of cells) of the first markdown table whose first header cell is ``first_header``."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and cells[0] == first_header:
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.lstrip().startswith("|"):
+                    break
+                rows.append([c.strip() for c in row.strip().strip("|").split("|")])
+            return cells, rows
+    return None, []
+
+
+def flat_items(section: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out.update(flat_items(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_table_problems(text: str, folder: Path) -> list:
+    """What the table of the "echo" keys (first header cell ``key``; a column per config file, named in
+    backticks; a last column of the defaults) gets wrong: a file's value ("-": the file does not set
+    it), a default, a key of a file the table lacks, a ``*_echo4.json`` of the folder it has no column for."""
+    import hjson
+
+    header, rows = markdown_table(text, "key")
+    if header is None:
+        return ["no table whose first header cell is 'key'"]
+    files = [h.strip("`") for h in header[1:-1]]
+    bad = [f"{f}: no such file in {folder.name}/" for f in files if not (folder / f).is_file()]
+    missing_columns = sorted(p.name for p in folder.glob("*_echo4.json") if p.name not in files)
+    bad += [f"{name}: no column" for name in missing_columns]
+    sections = {f: flat_items(read_json(folder / f).get("echo", {})) for f in files if (folder / f).is_file()}
+    defaults = flat_items(config_defaults())
+    seen = set()
+    for row in rows:
+        keys = re.findall(r"`([\w.]+)`", row[0])
+        seen.update(keys)
+        for key in keys:
+            if key not in defaults:
+                bad.append(f"{key}: not a key of the \"echo\" section")
+                continue
+            for f, cell in zip(files, row[1:-1]):
+                if f not in sections:
+                    continue
+                if cell in ("-", "—"):
+                    if key in sections[f]:
+                        bad.append(f"{key} in {f}: the table says not set, the file has {sections[f][key]!r}")
+                elif key not in sections[f] or not same_value(hjson.loads(cell.strip("`")), sections[f][key]):
+                    bad.append(f"{key} in {f}: the table says {cell}, the file has {sections[f].get(key, 'nothing')!r}")
+            if not same_value(hjson.loads(row[-1].strip("`")), defaults[key]):
+                bad.append(f"{key}: the table's default is {row[-1]}, echo_ds/config.py's is {defaults[key]!r}")
+    for f, items in sections.items():
+        bad += [f"{key} (set in {f}): no row" for key in items if key not in seen]
+    return bad
+
+
+def read_json(path: Path) -> dict:
+    import hjson
+
+    return hjson.loads(path.read_text(encoding="utf-8"))
+
+
+def test_the_config_files_table_is_the_files_and_the_code():
+    bad = config_table_problems(read("ds_configs/README.md"), REPO / "ds_configs")
+    assert not bad, "ds_configs/README.md's table of the \"echo\" keys is wrong: " + "; ".join(bad)
+
+
+def test_the_defaults_checks_find_wrong_defaults(tmp_path):
+    defaults = config_defaults()
+    assert defaults["group_size"] == 64 and defaults["quantizer"] == "zero_aware_int"
+    assert defaults["forward"]["gain"] == 1.0 and defaults["backward"]["gain"] == 0.75  # ForwardConfig overrides
+    assert defaults["backward"]["pow2_rescale"] is True and defaults["forward"]["pow2_rescale"] == "auto"
+    assert default_mismatches({"group_size": 128, "quantizer": "zero_aware", "forward": {"gain": 1},
+                               "telemetry": 0}, defaults) == [
+        "echo.group_size=128 (the default is 64)", "echo.quantizer='zero_aware' (the default is 'zero_aware_int')",
+        "echo.telemetry=0 (the default is False)"]
+    (tmp_path / "a_echo4.json").write_text('{"echo": {"bits": 4, "group_size": 128, "telemetry": false}}')
+    (tmp_path / "b_echo4.json").write_text('{"echo": {"bits": 8}}')
+    table = """
+| key | `a_echo4.json` | default |
+| --- | --- | --- |
+| `bits` | `4` | `4` |
+| `group_size` | `64` | `128` |
+| `no_such_key` | - | `1` |
+| `rotation` | `"none"` | `"hadamard"` |
+"""
+    assert config_table_problems(table, tmp_path) == [
+        "b_echo4.json: no column",
+        "group_size in a_echo4.json: the table says `64`, the file has 128",
+        "group_size: the table's default is `128`, echo_ds/config.py's is 64",
+        "no_such_key: not a key of the \"echo\" section",
+        "rotation in a_echo4.json: the table says `\"none\"`, the file has 'nothing'",
+        "telemetry (set in a_echo4.json): no row"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# README's first screen: the support matrix, the switches and the bounds are the code's
+# ----------------------------------------------------------------------------------------------------
+
+def module_constant(path: str, name: str):
+    """The value of a module-level constant of a repository file (a literal, or a tuple of attribute
+    names such as ``torch.float32``, given as their last parts)."""
+    for node in module_tree(REPO / path).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            if isinstance(node.value, ast.Tuple) and all(isinstance(e, ast.Attribute) for e in node.value.elts):
+                return tuple(e.attr for e in node.value.elts)
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} defines no constant {name}")
+
+
+DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def support_matrix_problems(text: str) -> list:
+    """What the support matrix (the table whose first header cell is "what") says that the code does not."""
+    header, rows = markdown_table(text, "what")
+    if header is None:
+        return ["no support matrix (a table whose first header cell is 'what')"]
+    table = {row[0]: row[1:] for row in rows}
+    numbers = lambda cell: [int(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.])", cell)]  # noqa: E731
+    bad = []
+
+    def expect(row, column, found, wanted):
+        if found != wanted:
+            bad.append(f"{row} ({header[column + 1]}): the README says {found}, the code {wanted}")
+
+    p2p, ref = 0, 1
+    for name in ("device", "CUDA", "ranks per tensor-parallel group", "dtypes", "bits", "group size g"):
+        if name not in table:
+            bad.append(f"no row {name!r}")
+    if bad:
+        return bad
+    kernels, quant, builder = "echo_ds/ops/kernels.py", "echo_ds/quant.py", "echo_ds/ops/builder.py"
+    expect("ranks per tensor-parallel group", p2p, numbers(table["ranks per tensor-parallel group"][p2p]),
+           list(module_constant("echo_ds/ops/kernels.py", "ONE_LAUNCH_WORLD_SIZES")))
+    for col in (p2p, ref):
+        expect("dtypes", col, re.findall(r"\b(?:fp32|fp16|bf16)\b", table["dtypes"][col]),
+               [DTYPE_NAMES[d] for d in module_constant(kernels, "SUPPORTED_DTYPES")])
+        expect("bits", col, numbers(table["bits"][col]), list(module_constant(quant, "SUPPORTED_BITS")))
+    expect("group size g", p2p, numbers(table["group size g"][p2p].split(" in the kernels")[0]),
+           list(module_constant(kernels, "SUPPORTED_GROUP_SIZES")))
+    expect("group size g", ref, numbers(table["group size g"][ref]),
+           [module_constant(quant, "MIN_GROUP_SIZE"), module_constant(quant, "MAX_GROUP_SIZE")])
+    device = table["device"][p2p]
+    expect("device", p2p, re.findall(r"compute capability (\d+\.\d+)", device),
+           [".".join(map(str, module_constant(builder, "MIN_COMPUTE_CAPABILITY")))])
+    expect("device", p2p, re.findall(r"built for sm_(\d+) ahead of time", device),
+           [module_constant(builder, "DEFAULT_ARCH_LIST").replace(".", "")])
+    declared = [r for r in tomllib_loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+                if r.startswith("cuda-python")]
+    lower = re.search(r">=\s*(\d+)", declared[0]) if declared else None
+    expect("CUDA", p2p, re.findall(r"cuda-python (\d+)\.x", table["CUDA"][p2p]), [lower.group(1) if lower else None])
+    return bad
+
+
+def tomllib_loads(text: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+    return tomllib.loads(text)
+
+
+def switch_problems(text: str) -> list:
+    """The environment switches the README names, and the values it says they take, against
+    echo_ds/deepspeed/policy.py."""
+    policy = "echo_ds/deepspeed/policy.py"
+    bad = []
+    for name in ("DISABLE_VAR", "BACKEND_VAR"):
+        var = module_constant(policy, name)
+        if f"`{var}=" not in text:
+            bad.append(f"{var} ({policy}'s {name}) is not shown")
+    m = re.search(r"A value\s+other than ([^()]+) \(or ([^;]+); for the backend ([^)]+)\)", text)
+    if not m:
+        return bad + ["no sentence 'A value other than ... (or ...; for the backend ...)'"]
+    said_on_off = set(re.findall(r"\w+", m.group(1) + " " + m.group(2)))
+    allowed = {v for v in module_constant(policy, "_TRUE") + module_constant(policy, "_FALSE") if v}
+    if said_on_off != allowed:
+        bad.append(f"the README says the switch takes {sorted(said_on_off)}, the code {sorted(allowed)}")
+    said_backends = re.findall(r"`(\w+)`", m.group(3))
+    backends = [ast.literal_eval(e) for e in type_aliases()["Backend"].slice.elts]
+    if sorted(said_backends) != sorted(backends):
+        bad.append(f"the README says the backend switch takes {said_backends}, the code {backends}")
+    return bad
+
+
+def test_readme_support_matrix_is_the_codes():
+    bad = support_matrix_problems(read("README.md"))
+    assert not bad, "README.md's support matrix disagrees with the code: " + "; ".join(bad)
+
+
+def test_readme_switches_are_the_codes():
+    bad = switch_problems(read("README.md"))
+    assert not bad, "README.md's environment switches disagree with echo_ds/deepspeed/policy.py: " + "; ".join(bad)
+
+
+def test_readme_one_line_change_is_the_api():
+    text = read("README.md")
+    first_screen = text.split("## Quick start")[0]
+    assert "echo_ds.initialize(" in first_screen and "deepspeed.initialize" in first_screen
+    # echo_ds.initialize is the lazy alias of echo_ds.deepspeed.api.initialize, which wraps deepspeed.initialize
+    assert "initialize" in module_constant("echo_ds/__init__.py", "_DEEPSPEED_API")
+    api = ast.unparse(module_tree(REPO / "echo_ds" / "deepspeed" / "api.py"))
+    assert "deepspeed.initialize(*args, **kwargs)" in api and "inspect.signature(deepspeed.initialize)" in api
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_named_echo_variables_exist(doc):
+    """Every ECHO_* name a doc gives (an environment variable, a macro) appears in the sources."""
+    sources = "\n".join(p.read_text(encoding="utf-8", errors="replace") for top in
+                        ("echo_ds", "csrc", "benchmarks", "tests", "examples") for p in (REPO / top).rglob("*")
+                        if p.is_file() and p.suffix in (".py", ".sh", ".cu", ".cuh", ".h", ".cpp") and p.name != "test_docs.py")
+    missing = sorted({n for n in re.findall(r"\bECHO_[A-Z0-9_]+\b", read(doc)) if n not in sources})
+    assert not missing, f"{doc} names ECHO_* variables the sources never mention: {missing}"
+
+
+def test_the_readme_checks_find_what_is_wrong():
+    wrong = """
+| what | `"p2p"` | `"reference"` |
+| --- | --- | --- |
+| device | compute capability 7.0 or newer; built for sm_80 ahead of time | any |
+| CUDA | 12 (cuda-python 12.x) | - |
+| ranks per tensor-parallel group | 2, 4 | any |
+| dtypes | fp32, bf16 | fp32, fp16, bf16 |
+| bits | 4 | 4, 8 |
+| group size g | 64, 128 in the kernels | any power of two, 16 to 1024 |
+
+Set `ECHO_DS_DISABLE=1`. A value
+other than 1/0 (or true/false; for the backend `auto`, `nccl`) stops it.
+"""
+    bad = support_matrix_problems(wrong)
+    for row in ("ranks per tensor-parallel group", 'dtypes (`"p2p"`)', 'bits (`"p2p"`)',
+                'group size g (`"p2p"`)', 'group size g (`"reference"`)', "device", "CUDA"):
+        assert any(b.startswith(row) for b in bad), (row, bad)
+    assert len(bad) == 8  # the device row twice: capability and architecture
+    bad = switch_problems(wrong)
+    assert len(bad) == 3 and "ECHO_DS_BACKEND" in bad[0] and "yes" in bad[1] and "nccl" in bad[2]
