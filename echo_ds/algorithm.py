@@ -129,6 +129,74 @@ def pow2_exponent(amax, mode=True) -> int:
     return max(-126, min(126, kPow2Target - e))
 
 
+# Range without rescaling (pow2_rescale=False, issue 35). A call whose message the group parameters
+# cannot express is never silent: ``range_flags`` finds it from what the call quantized, ``note_range``
+# counts it here (this process's calls) and logs one warning naming the setting that avoids it.
+#   clipped: a finite group has a value more than half a step beyond its grid's end (its scale hit the
+#       format's largest value: fp16 65504, the packed 12-bit 65280), so its error exceeds the stated
+#       bound s/2 (quant.step_bound);
+#   underflow: the largest group a rank quantized (its sent segments and the one it reduced) is nonzero
+#       but its scale is below fp16's smallest normal value, 2^-14 (the packed scale shares fp16's
+#       exponents): the scale then rounds up on the subnormal grid, so the whole message is quantized on a
+#       coarser grid than its values need (relative error up to 50 % above an in-range message's at 1e-6,
+#       4 bits), and below the smallest subnormal scale it is flushed to zero.
+# "auto" and True rescale instead (neither can clip; "auto" leaves no message below 2^-6 unscaled).
+
+
+@dataclass
+class RangeEvents:
+    """Calls made with pow2_rescale=False whose message the format could not express, in this process
+    (the emulator counts a call once for all its ranks; the reference counts what this rank quantized)."""
+
+    clipped_calls: int = 0
+    underflow_calls: int = 0
+
+
+range_events = RangeEvents()
+
+
+# fp16's smallest normal value: a group scale below it loses relative precision (and the packed
+# format's scale, fp16 without its low mantissa bits, has the same exponents).
+kFp16MinNormal = 2.0**-14
+
+
+def range_flags(seg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec):
+    """Per rank, (clipped, underflow) bool [R] of fp32 groups ``seg`` [R, ..., g] quantized under (scale,
+    zero) [R, ...] fp16 (see RangeEvents). Non-finite groups (NaN scale) count as neither."""
+    R = scale.shape[0]
+    mn, mx, finite = Q.group_range(seg.reshape(-1, spec.group_size))
+    s, z = scale.reshape(-1).float(), zero.reshape(-1).float()
+    q_min = 1.0 if spec.quantizer == "symmetric" else 0.0
+    half = 0.5 * s
+    beyond = finite & ((mx > (float(2**spec.bits - 1) - z) * s + half) | (mn < (q_min - z) * s - half))
+    amax = torch.where(finite, torch.maximum(mn.abs(), mx.abs()), torch.zeros_like(mn)).view(R, -1)
+    top = amax.argmax(dim=1, keepdim=True)
+    underflow = (amax.gather(1, top) > 0) & (s.view(R, -1).gather(1, top) < kFp16MinNormal)
+    return beyond.view(R, -1).any(dim=1), underflow.view(R)
+
+
+def note_range(clipped: bool, underflow: bool, spec: QuantSpec, where: str) -> None:
+    """Count a call's range events (RangeEvents) and warn once per kind, naming the setting."""
+    if clipped:
+        range_events.clipped_calls += 1
+    if underflow:
+        range_events.underflow_calls += 1
+    if clipped or underflow:
+        what = ("values beyond what its group scales express were clipped (the format's largest scale "
+                "cannot reach them)" if clipped else
+                "values are below what its group scales resolve (a scale below fp16's smallest normal value), "
+                "so they were quantized coarsely or flushed to zero")
+        from echo_ds.log import log_once
+
+        log_once("warning",
+                 f"echo: {where} with pow2_rescale=False: a message's {what}; its result is off by more than the "
+                 f"{spec.bits}-bit format's bound. Set pow2_rescale to \"auto\" (the config keys "
+                 f"echo.forward.pow2_rescale / echo.backward.pow2_rescale) to rescale such messages by an exact "
+                 f"power of two. Counted in echo_ds.algorithm.range_events (and EchoStats under DeepSpeed); "
+                 f"this warning is shown once.",
+                 key=f"echo-range-{'clipped' if clipped else 'underflow'}", rank=0)
+
+
 def quantize_segments(seg: torch.Tensor, spec: QuantSpec):
     """Quantize fp32 [..., G, g] -> (codes [..., G, g*b/8] uint8, scale [..., G] fp16, zero fp16)."""
     lead = seg.shape[:-1]

@@ -44,7 +44,14 @@ def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: 
     terms = copies.clone()
     terms[diag, diag] = rs[diag, diag]
     acc = A.ordered_sum(terms)  # [P owner, G, g]
-    s_hat_scaled = A.dequantize_segments(*A.quantize_segments(acc, spec), spec)
+    reduced = A.quantize_segments(acc, spec)
+    s_hat_scaled = A.dequantize_segments(*reduced, spec)
+    if pow2_rescale is False:  # per rank: its sent segments and, at its own index, the one it reduced
+        seen = [t.clone() for t in (rs, sent[1], sent[2])]
+        for t, own in zip(seen, (acc,) + reduced[1:]):
+            t[diag, diag] = own
+        clipped, underflow = A.range_flags(*seen, spec)
+        A.note_range(bool(clipped.any()), bool(underflow.any()), spec, "emulated_echo_all_reduce")
     s_hat = s_hat_scaled * 2.0**-k if k else s_hat_scaled
     y = A.from_segments(A.unrotate_if(s_hat, spec), layout, out_shape, parts.dtype)
 

@@ -1,9 +1,12 @@
 """Range: a message outside what fp16 group parameters express is rescaled by an exact power of two
 ("auto", the forward default), never clipped or flushed to zero; inside the window "auto" changes no bit.
-Also the refusal of inputs that require grad. Emulator and argument checks only: no processes (the
-reference over gloo is compared with the emulator in tests/test_reference.py, "auto" cases included)."""
+With ``pow2_rescale=False`` such a message is never silent: the call counts it (algorithm.range_events)
+and warns once, naming the setting. Also the refusal of inputs that require grad. Emulator and argument
+checks, and one 2-rank gloo run of the reference for the counters (the reference over gloo is compared
+with the emulator in tests/test_reference.py, "auto" cases included)."""
 
 import inspect
+import logging
 import math
 
 import pytest
@@ -16,6 +19,7 @@ from echo_ds.emulate import emulated_echo_all_reduce
 from echo_ds.p2p import protocol as proto
 from echo_ds.quant import QuantSpec
 from echo_ds.reference import echo_all_reduce
+from utils import run_distributed
 
 SPECS = (QuantSpec(4, 128, "zero_aware", True), QuantSpec(4, 64, "symmetric", False), QuantSpec(8, 64))
 
@@ -126,3 +130,105 @@ def test_inputs_that_require_grad_are_refused_while_autograd_records():
     # process group, which this test has none of.
     with torch.no_grad(), pytest.raises((RuntimeError, ValueError), match="(?i)process group|init"):
         echo_all_reduce(x, QuantSpec(4, 64))
+
+
+# ------------------------------------------------------------------------------------------------------
+# pow2_rescale=False: never silent (issue 35)
+# ------------------------------------------------------------------------------------------------------
+
+ALL_SPECS = SPECS + (QuantSpec(4, 64, "zero_aware_int", True), QuantSpec(8, 64, "naive"))
+
+
+class _Captured(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def events(monkeypatch):
+    """Fresh counters and a fresh once-only warning state; yields (counters, warnings logged)."""
+    from echo_ds import log as echo_log
+
+    monkeypatch.setattr(A, "range_events", A.RangeEvents())
+    monkeypatch.setattr(echo_log, "_emitted_once", set())
+    handler = _Captured()
+    echo_log.logger.addHandler(handler)
+    yield A.range_events, handler.messages
+    echo_log.logger.removeHandler(handler)
+
+
+def test_range_flags_are_exact_at_the_edges():
+    """clipped: a value more than half a step beyond the grid's end; underflow: the largest group's scale
+    below fp16's smallest normal value. Built from known groups, per quantizer."""
+    for spec in ALL_SPECS:
+        L = 2**spec.bits - 1
+        qmax = 2 ** (spec.bits - 1) - 1 if spec.quantizer == "symmetric" else L
+        for amax, clipped, underflow in ((65504.0 * qmax * 4, True, False), (65000.0 * qmax / 2, False, False),
+                                         (1.0, False, False), (2.0**-15, False, True), (1e-9, False, True)):
+            g = torch.linspace(-amax, amax, spec.group_size).view(1, 1, spec.group_size)
+            codes, scale, zero = A.quantize_segments(g, spec)
+            c, u = A.range_flags(g, scale, zero, spec)
+            assert (bool(c), bool(u)) == (clipped, underflow), (spec, amax)
+            if not clipped:  # then every value is within the stated bound
+                err = (A.dequantize_segments(codes, scale, zero, spec) - g).abs().max()
+                assert err <= 0.5 * scale.float().max() * (1 + 2**-10), (spec, amax)
+        # a small group next to a normal one is no underflow of the message; a NaN group is neither
+        g = torch.stack((torch.linspace(-1, 1, spec.group_size), torch.full((spec.group_size,), 1e-9),
+                         torch.full((spec.group_size,), float("nan"))))[None]
+        _, scale, zero = A.quantize_segments(g, spec)
+        assert [bool(f) for f in A.range_flags(g, scale, zero, spec)] == [False, False], spec
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=str)
+def test_false_out_of_range_is_counted_and_warned_once(spec, events):
+    counters, warned = events
+    for scale in (1e-2, 1.0, 1e3):  # in range: nothing to say
+        emulated_echo_all_reduce(parts(4, 1000, scale, 1), spec, None, False)
+    assert counters == A.RangeEvents() and warned == []
+    big, tiny = parts(2, 2000, 1e7, 2), parts(2, 2000, 1e-9, 3)
+    for call in range(3):
+        y = emulated_echo_all_reduce(big, spec, None, False)
+    assert relative_error(y, big.sum(0)) > 0.5  # the numerics are unchanged: still clipped...
+    assert counters.clipped_calls == 3 and counters.underflow_calls == 0  # ...but counted
+    emulated_echo_all_reduce(tiny, spec, make_compensator(DirectionConfig()), False)
+    assert counters.underflow_calls == 1
+    assert len(warned) == 2, warned  # once per kind
+    assert all("pow2_rescale=False" in m and '"auto"' in m and "echo.forward.pow2_rescale" in m for m in warned)
+    assert "clipped" in warned[0] and "flushed" in warned[1]
+    for mode in ("auto", True):  # the modes that rescale have nothing to count
+        emulated_echo_all_reduce(big, spec, None, mode)
+        emulated_echo_all_reduce(tiny, spec, None, mode)
+    assert counters.clipped_calls == 3 and counters.underflow_calls == 1
+
+
+def test_false_message_with_one_tiny_rank_is_no_underflow(events):
+    """A rank whose whole contribution is tiny next to its peer's: the sum it reduces is normal."""
+    counters, _ = events
+    x = parts(2, 2048, 1.0, 4)
+    x[0] *= 1e-9
+    emulated_echo_all_reduce(x, QuantSpec(4, 64, "zero_aware_int", True), None, False)
+    assert counters == A.RangeEvents()
+
+
+def _reference_range_counts(rank, world_size):
+    from echo_ds import algorithm
+
+    spec = QuantSpec(4, 64, "zero_aware_int", True)
+    out = []
+    for scale in (1.0, 1e7, 1e-9):
+        before = (algorithm.range_events.clipped_calls, algorithm.range_events.underflow_calls)
+        x = parts(world_size, 3000, scale, 5)
+        y = echo_all_reduce(x[rank], spec, pow2_rescale=False)
+        out.append((algorithm.range_events.clipped_calls - before[0],
+                    algorithm.range_events.underflow_calls - before[1]))
+        assert torch.equal(y, emulated_echo_all_reduce(x, spec, None, False))  # numerics unchanged
+    return out
+
+
+def test_reference_counts_what_each_rank_quantized():
+    for counts in run_distributed(_reference_range_counts, 2, timeout=60):
+        assert counts == [(0, 0), (1, 0), (0, 1)], counts

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.module_inject.layers import is_autotp_training_mode
 
+from echo_ds import algorithm as A
 from echo_ds.log import log_once, logger
 from echo_ds.quant import wire_bytes
 
@@ -107,6 +108,10 @@ class EchoStats:
         calls; bytes_16bit: what the same calls would have sent as 16-bit values. Both count the message
         once per call; the all-reduce moves each of them the same number of times.
     plain_bytes: bytes of the exact all-reduces at Echo sites, in their own dtype.
+    clipped_calls / underflow_calls: compressed calls of a direction with ``pow2_rescale: false`` whose
+        message its group scales could not express (echo_ds.algorithm.RangeEvents: values clipped, or a
+        scale below fp16's normal range), as this rank saw them (reference backend); a warning names the
+        setting once.
     """
 
     forward_calls: int = 0
@@ -121,6 +126,8 @@ class EchoStats:
     bytes_sent: int = 0
     bytes_16bit: int = 0
     plain_bytes: int = 0
+    clipped_calls: int = 0
+    underflow_calls: int = 0
     sites: Dict[str, SiteTelemetry] = field(default_factory=dict)
 
     def summary(self) -> Dict[str, int]:
@@ -318,7 +325,11 @@ class EchoRuntime:
         self._record_visit(site, numel, bits if compressed else 16)
 
         if compressed:
+            events = A.range_events
+            before = (events.clipped_calls, events.underflow_calls)
             y = self._echo(x, site, bits, compensator, pow2)
+            self.stats.clipped_calls += events.clipped_calls - before[0]
+            self.stats.underflow_calls += events.underflow_calls - before[1]
             if site.direction == FORWARD:
                 self.stats.forward_calls += 1
             else:
