@@ -240,7 +240,8 @@ struct P2PControl {
   uint32_t poisoned;
   uint32_t amax_bits;
   uint32_t amax_arrivals;
-  uint32_t reserved[10];
+  int32_t pow2_k;  // the call's pow2 exponent, left by its first chunk's launch for the next ones
+  uint32_t reserved[9];
 };
 static_assert(sizeof(P2PControl) == 64, "P2PControl layout");
 
@@ -282,6 +283,10 @@ struct P2PAllReduceArgs {
   uint64_t timeout_ns;
   int32_t num_blocks;
   uint32_t descriptor;  // this call's (see P2PFlags)
+  // The groups [chunk_begin, chunk_begin + chunk_groups) of every segment: the whole segment where the
+  // workspace holds the message, else one chunk of it per launch (P2PRuntime::all_reduce issues them).
+  int64_t chunk_begin;
+  int64_t chunk_groups;
 };
 void launch_p2p_all_reduce(const P2PAllReduceArgs& args, cudaStream_t stream);
 

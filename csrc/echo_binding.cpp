@@ -9,6 +9,7 @@
 // entry with no elements stands for "none" (the rank's own segment, or a destination not written).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -374,17 +375,23 @@ class P2PRuntime {
     a.update_local = residual == 1;
     a.update_output = residual == 2;
     a.pow2 = static_cast<int32_t>(pow2);
+    // The slots hold chunk_groups groups of every segment: all G where the workspace holds the message
+    // (one launch), else the most it holds, one launch per chunk (see the loop below).
     const int64_t G = a.layout.groups_per_segment;
-    const int64_t code_stride = round_up(G * echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits)), 256);
-    const int64_t param_stride = round_up(4 * G, 256);
-    TORCH_CHECK(world_size_ * code_stride <= code_half_ && world_size_ * param_stride <= param_half_,
-                "P2PRuntime: a message of ", x.numel(), " elements does not fit the workspace");
+    const int64_t group_code_bytes = echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits));
+    const int64_t code_room = code_half_ / world_size_ / 256 * 256;    // one slot's bytes, 256-aligned
+    const int64_t param_room = param_half_ / world_size_ / 256 * 256;
+    const int64_t chunk_groups = std::min({G, code_room / group_code_bytes, param_room / 4});
+    TORCH_CHECK(chunk_groups >= 1, "P2PRuntime: the workspace holds no group of ", group_size, " elements at ",
+                bits, " bits");
+    const int64_t code_stride = round_up(chunk_groups * group_code_bytes, 256);
+    const int64_t param_stride = round_up(4 * chunk_groups, 256);
     const auto slot = [&](echo::QuantTable& t, int idx, int owner, int64_t index, bool gather) {
       uint8_t* c = codes_[owner] + (gather ? code_half_ : 0) + index * code_stride;
       uint8_t* p = params_[owner] + (gather ? param_half_ : 0) + index * param_stride;
       t.codes[idx] = c;
       t.scales[idx] = reinterpret_cast<uint16_t*>(p);
-      t.zeros[idx] = reinterpret_cast<uint16_t*>(p + 2 * G);
+      t.zeros[idx] = reinterpret_cast<uint16_t*>(p + 2 * chunk_groups);
       t.packed = packed_params(a.quantizer) ? 1 : 0;
     };
     const int me = static_cast<int>(rank_);
@@ -400,9 +407,16 @@ class P2PRuntime {
     a.error = error_;
     a.timeout_ns = static_cast<uint64_t>(timeout_ns_);
     const int64_t per_block = 4096 / group_size;  // groups of one block item (256 threads, g / 16 lanes a group)
-    const int64_t wanted = (G + per_block - 1) / per_block;
+    const int64_t wanted = (chunk_groups + per_block - 1) / per_block;
     a.num_blocks = static_cast<int32_t>(wanted < max_blocks_ ? wanted : max_blocks_);
-    echo::launch_p2p_all_reduce(a, as_stream(stream));
+    // A message larger than the workspace: one launch per chunk, on the same stream, each a call of the
+    // protocol (its own epoch; slots reused as by back-to-back calls). Inside one launch a chunk loop kept
+    // the kernel's values live across it and spilled at 128 registers (docs/p2p.md, "One launch per call").
+    for (int64_t begin = 0; begin < G; begin += chunk_groups) {
+      a.chunk_begin = begin;
+      a.chunk_groups = std::min(chunk_groups, G - begin);
+      echo::launch_p2p_all_reduce(a, as_stream(stream));
+    }
   }
 
   int64_t max_blocks() const { return max_blocks_; }

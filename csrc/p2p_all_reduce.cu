@@ -13,6 +13,9 @@ void launch_p2p_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
   ECHO_HOST_ASSERT(P == 2 || P == 4 || P == 8, "the one-launch transport is built for 2, 4, 8 ranks");
   ECHO_HOST_ASSERT(a.rank >= 0 && a.rank < P, "rank out of range");
   ECHO_HOST_ASSERT(a.num_blocks >= 1 && a.num_blocks <= kP2PMaxBlocks, "num_blocks out of range");
+  ECHO_HOST_ASSERT(a.chunk_begin >= 0 && a.chunk_groups >= 1 &&
+                       a.chunk_begin + a.chunk_groups <= a.layout.groups_per_segment,
+                   "the chunk must be a non-empty range of the segment's groups");
   ECHO_HOST_ASSERT(a.control != nullptr && a.error != nullptr, "control block and error record are required");
   for (int j = 0; j < P; ++j) ECHO_HOST_ASSERT(a.flags[j] != nullptr, "every rank's flag area is required");
   detail::check_contribution(a.src);

@@ -153,8 +153,10 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   __shared__ float amax_shared;
   const int me = a.rank;
   const int lane = static_cast<int>(threadIdx.x % kLanes);
-  const int64_t G = a.layout.groups_per_segment;
-  const int64_t seg_elems = G * kGroupSize;
+  const int64_t seg_elems = a.layout.groups_per_segment * kGroupSize;
+  // This launch's chunk: groups [chunk_begin, chunk_begin + G) of every segment. Slots are indexed by the
+  // group within the chunk (gl), elements and state by the group within the segment (chunk_begin + gl).
+  const int64_t G = a.chunk_groups;
   const int64_t numel = a.layout.numel;
   P2PControl* control = a.control;
   P2PFlags* mine = a.flags[me];
@@ -170,8 +172,11 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   // NOTE: the grid is co-resident (the launcher's cap), so the blocks that wait for the last one to arrive
   // cannot keep it from running. The wait also orders the state: every block waits for its own rank's
   // max, published after the last block has read m1 and m2 for it, before any block updates them.
+  // A chunk after the first (a message larger than the workspace) takes the exponent its call's first chunk
+  // left in the control block: its max is over the whole message, before any state was updated.
   const float* pow2_amax = nullptr;
-  if (a.pow2) {
+  const bool first_chunk = a.chunk_begin == 0;
+  if (a.pow2 && first_chunk) {
     __shared__ unsigned warp_max[kThreadsPerBlock / kWarpSize];
     __shared__ int last_to_arrive;
     const int t = static_cast<int>(threadIdx.x);
@@ -205,7 +210,8 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     __syncthreads();
     pow2_amax = &amax_shared;
   }
-  const int k = pow2_exponent(pow2_amax);
+  const int k = first_chunk ? pow2_exponent(pow2_amax) : *reinterpret_cast<volatile int32_t*>(&control->pow2_k);
+  if (first_chunk && blockIdx.x == 0 && threadIdx.x == 0) control->pow2_k = k;  // read by the next launches
 
   // A. entry: the segments this rank sends. A thread's work is a sequence of units (item, sent segment);
   // for 16-bit x the loads of unit q + 1 are issued before unit q is worked on (two buffers, as
@@ -216,7 +222,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     if (base >= G) return false;  // uniform over the block
     const int jj = static_cast<int>(q % kSent);
     gi = base + threadIdx.x / kLanes;
-    e = int64_t(jj < me ? jj : jj + 1) * seg_elems + gi * kGroupSize;
+    e = int64_t(jj < me ? jj : jj + 1) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
     return true;
   };
   const auto load_unit = [&](int64_t q, RawChunks<T>& r) {
@@ -269,7 +275,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
     const int64_t gi = base + threadIdx.x / kLanes;
     if (gi >= G) continue;
-    const int64_t own_e = int64_t(me) * seg_elems + gi * kGroupSize;
+    const int64_t own_e = int64_t(me) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
     const int64_t code_offset = gi * kGroupCodeBytes<kBits, kLanes>;
     // 4-bit copies of up to 4 ranks are loaded before the own contribution is formed; otherwise (twice
     // the registers, or twice the copies: ptxas spilled) each at its turn in the sum.
@@ -325,7 +331,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     if (gi >= G) continue;
     const int64_t code_offset = gi * kGroupCodeBytes<kBits, kLanes>;
     const auto tail_segment = [&](int seg, const Codes<kBits>& codes, uint16_t scale_bits, uint16_t zero_bits) {
-      const int64_t e = int64_t(seg) * seg_elems + gi * kGroupSize;
+      const int64_t e = int64_t(seg) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
       const GroupParams p = table_params<kBits>(a.gathered, scale_bits, zero_bits);
       float v[kElemsPerThread];
       if (a.update_output) {
@@ -353,7 +359,9 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       store_thread<T, kLanes>(static_cast<T*>(a.out), e, lane, numel, aligned16(a.out), v);
     };
     // A segment whose group is all padding is skipped (residual "output" still updates its state).
-    const auto wanted = [&](int seg) { return a.update_output || int64_t(seg) * seg_elems + gi * kGroupSize < numel; };
+    const auto wanted = [&](int seg) {
+      return a.update_output || int64_t(seg) * seg_elems + (a.chunk_begin + gi) * kGroupSize < numel;
+    };
     if constexpr (kBits == 4 && kWorld <= 4) {
       // The codes of every segment are loaded before any is decoded.
       Codes<kBits> gathered[kWorld];

@@ -112,8 +112,11 @@ class EchoBuffer:
     """The p2p transport of one tensor-parallel group (collective constructor: call it on every rank).
 
     group: the process group (None: the default group). Its backend only carries the handshake.
-    max_numel: largest message in elements; sizes the workspace (about 2 bytes per element plus the
-        parameters, per rank). Larger messages take the reference path, with one warning.
+    max_numel: sizes the workspace (about 2 bytes per element plus the parameters, per rank) for messages
+        of up to this many elements in one launch. The one-launch call takes larger messages too, one
+        launch per chunk of the workspace from one binding call; the staged pipeline cannot, so such a
+        message goes to the one-launch call wherever its kernel supports the call (else the reference
+        path, with one warning). Every rank of the group must pass the same value.
     tile_bytes: wire bytes of one tile per peer (0: one tile per segment).
     timeout_s: a cross-GPU wait longer than this fails the call with EchoP2PTimeout naming rank, peer,
         stage and call number (default ECHO_P2P_TIMEOUT_S or 5 s). Ranks must not drift further apart.
@@ -258,7 +261,13 @@ class EchoBuffer:
                 why = "" if ok else f"{sharing} ranks share one device: no block left for each"
             except Exception as e:  # noqa: BLE001 - the staged pipeline still works
                 why = f"{type(e).__name__}: {e}"
-        verdicts = self._gather((ok, cap, why))
+        verdicts = self._gather((ok, cap, why, self.capacity.max_numel))
+        if len({v[3] for v in verdicts}) != 1:
+            # NOTE: the workspace decides how many chunks (launches, epochs) a large message takes; ranks
+            # with different workspaces would pair one rank's chunk with another's next call.
+            self.close()  # collective: every rank sees the same verdicts
+            raise ValueError("EchoBuffer: every rank of the group must pass the same max_numel, got "
+                             + ", ".join(f"rank {j}: {v[3]}" for j, v in enumerate(verdicts)))
         if not all(v[0] for v in verdicts):
             bad = "; ".join(f"rank {j}: {v[2]}" for j, v in enumerate(verdicts) if not v[0])
             msg = f"the one-launch call is off ({bad}); calls run the staged pipeline"
@@ -399,8 +408,19 @@ class EchoBuffer:
             decision = self._decisions[key] = policy.call_decision(
                 dtype=x.dtype, numel=x.numel(), element_size=x.element_size(), world_size=self.world_size,
                 bits=spec.bits, group_size=spec.group_size, capacity=self.capacity, telemetry=telemetry,
-                device_matches=device_matches)
+                device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype))
         return decision
+
+    def _one_launch_serves(self, spec: QuantSpec, dtype: torch.dtype) -> bool:
+        """The one-launch call runs calls of this spec and dtype (at any size: chunk by chunk beyond its
+        workspace)."""
+        from echo_ds.ops import kernels as K
+
+        return self._runtime is not None and K.unsupported_reason(self.world_size, spec, dtype) is None
+
+    def _fits_staged(self, x: torch.Tensor, spec: QuantSpec) -> bool:
+        """The whole message fits the workspace, as the staged pipeline needs."""
+        return L.make_tiling(x.numel(), self.world_size, spec.bits, spec.group_size, 0, self.capacity).fits()
 
     def all_reduce(self, x: torch.Tensor, spec: QuantSpec, compensator=None, pow2_rescale="auto", *,
                    site: Optional[int] = None, direction: Optional[str] = None) -> torch.Tensor:
@@ -436,7 +456,8 @@ class EchoBuffer:
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
                                    site=site, direction=direction)
         self.check()
-        if self._runtime is not None and x.numel() * x.element_size() <= self.one_launch_max_bytes:
+        if self._runtime is not None and (x.numel() * x.element_size() <= self.one_launch_max_bytes
+                                          or not self._fits_staged(x, spec)):
             plan = self._one_launch_plan(x, spec, compensator, pow2_rescale, site, direction)
             if plan is not None:
                 if len(self._plans) >= 4096:

@@ -85,11 +85,14 @@ def group_decision(f: GroupFacts) -> Decision:
 
 def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_size: int, bits: int,
                   group_size: int, capacity: Capacity, min_message_bytes: int = 0, telemetry: bool = False,
-                  device_matches: bool = True) -> Decision:
+                  device_matches: bool = True, chunked: bool = False) -> Decision:
     """Whether one call goes through the p2p transport, given that its group can use it.
 
     min_message_bytes: the ``"min_message_bytes"`` setting; smaller messages are the caller's business
         (it sends them uncompressed), so here they only decline the fast path.
+    chunked: the one-launch call serves the call; a message larger than its workspace runs chunk by chunk
+        (one launch each, from one binding call), so a message of any size fits (the staged pipeline needs
+        the whole message to fit).
     """
     if not device_matches:
         return Decision(False, "the tensor is not on this EchoBuffer's CUDA device (create one EchoBuffer per "
@@ -107,7 +110,7 @@ def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_si
     if numel == 0:
         return Decision(False, "an empty tensor")
     tiling = make_tiling(numel, world_size, bits, group_size, 0, capacity)
-    if not tiling.fits():
+    if not chunked and not tiling.fits():
         return Decision(False, f"a message of {numel} elements needs {2 * tiling.code_bytes_needed} code bytes and "
                                f"{2 * tiling.param_bytes_needed} parameter bytes of workspace, and this EchoBuffer "
                                f"has {capacity.code_bytes} and {capacity.param_bytes} (raise "
