@@ -29,17 +29,37 @@ linear, so the feedback is the same in either domain and no inverse rotation of 
 The arithmetic order above is part of the numerics contract that the CUDA kernels reproduce: fp32, one
 rounding per operation, no fused multiply-add; the coefficients are rounded to fp32 once, here.
 
-Storage. m1 and m2 are *stored* as bfloat16 (``kStateDtype``) and computed with in fp32: a stored value
-enters the arithmetic exactly (bf16 -> fp32 is exact), and each updated average is rounded once, to
-nearest even, when it is stored (:func:`store_state`). A value that is not finite after that rounding
-(a NaN or infinity carried by this call's residual, or a finite fp32 beyond bf16's range) is stored as
-+0: a non-finite call poisons its own output, never the state that later calls read. Why bf16 (numbers
-in docs/kernels.md, "Compensator state dtype"): the state is an estimate of a rounding error, so its own
-2^-9 relative rounding is far below what it estimates (SmolLM2-135M at P = 4, 4-bit default, one run:
-all-reduce error 0.09022 against 0.09016 with an fp32 state, perplexity within the noise band), and bf16
-has fp32's exponent range, so neither tiny gradients nor large activations leave it. It halves the state's bytes:
-with the update fused into the passes that hold the residual, a call reads the state once and writes it
-once, 8 bytes per element (the fp32 state with a separate update pass moved about 32).
+Storage (``state_dtype``, one per direction). ``"bf16"``, the default: m1 and m2 are *stored* as
+bfloat16 (``kStateDtype``) and computed with in fp32: a stored value enters the arithmetic exactly (bf16 ->
+fp32 is exact), and each updated average is rounded once, to nearest even, when it is stored
+(:func:`store_state`). A value that is not finite after that rounding (a NaN or infinity carried by this
+call's residual, or a finite fp32 beyond bf16's range) is stored as +0: a non-finite call poisons its own
+output, never the state that later calls read. Why bf16 (numbers in docs/kernels.md, "Compensator state
+dtype"): the state is an estimate of a rounding error, so its own 2^-9 relative rounding is far below what
+it estimates (SmolLM2-135M at P = 4, 4-bit default, one run: all-reduce error 0.09022 against 0.09016 with
+an fp32 state, perplexity within the noise band), and bf16 has fp32's exponent range, so neither tiny
+gradients nor large activations leave it. With the update fused into the passes that hold the residual,
+a call reads the state once and writes it once: 8 bytes per element.
+
+``"int8"`` and ``"int4"`` (:func:`encode_state`): m1 and m2 as b-bit signed integers q1, q2 in
+[-(2^(b-1) - 1), 2^(b-1) - 1] and one exponent E per group of the collective (the state's last axis, g
+elements), shared by both averages; the stored values are q * 2^E, exact in fp32. At every update the fp32
+averages n1, n2 of a group are formed as above (non-finite -> +0), then
+
+    a = max over the group of |n1| and |n2|
+    e = the exponent of a's fp32 bits minus 126 (a = f 2^e, f in [0.5, 1); -126 for zero and subnormals)
+    E = clamp(e - (b - 1), -126, 126)          (int8 per group)
+    q = clamp(round_half_even(n * 2^-E), -(2^(b-1) - 1), 2^(b-1) - 1)
+
+so the group's largest value lands in [2^(b-2), 2^(b-1)) steps: the step is 2^-(b-1) to 2^-(b-2) of the
+group's largest value, every multiplication by 2^+-E is exact, and a value past the largest code
+saturates (only the group's largest one can, by less than a step). The state stays bounded: a stored
+value exceeds the largest unrounded one by at most half a step. Zero and subnormal groups store E = -126,
+so equal states have equal bytes. The rounding is
+per group, as the quantizer's, so the kernels can form a and E with the same lane reduction. Bytes per
+element stored (:func:`state_bytes_per_element`): "int8" 2 + 1/g, "int4" 1 + 1/g (q1 in the low nibble and
+q2 in the high nibble of one byte, :func:`pack_int4`), against 4 for "bf16"; a call moves twice that.
+Measured in docs/kernels.md, "Compensator state dtype" (benchmarks/state_narrow_study.py).
 """
 
 from __future__ import annotations
@@ -48,11 +68,16 @@ from typing import List, Optional
 
 import torch
 
-from echo_ds.config import DirectionConfig
+from echo_ds.config import STATE_DTYPES, DirectionConfig
 from echo_ds.quant import f32
 
-# The stored format of m1 and m2 (see "Storage" above); the kernels hold it as 16-bit patterns.
+# The stored format of m1 and m2 under state_dtype "bf16" (see "Storage" above); the kernels hold it as
+# 16-bit patterns.
 kStateDtype = torch.bfloat16
+# Bits per value of the integer formats (their codes are held as int8 here, one per value).
+kStateBits = {"int8": 8, "int4": 4}
+# The exponent range of the integer formats: every 2^E and 2^-E is a normal fp32 (exact products).
+kMinStateExp, kMaxStateExp = -126, 126
 
 
 def store_state(v: torch.Tensor) -> torch.Tensor:
@@ -61,13 +86,50 @@ def store_state(v: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(s), s, torch.zeros((), dtype=kStateDtype, device=s.device))
 
 
+def state_bytes_per_element(state_dtype: str, group_size: int) -> float:
+    """Bytes of state (m1, m2 and exponents) stored per element; a call reads and writes them once each."""
+    if state_dtype == "bf16":
+        return 2 * kStateDtype.itemsize
+    if state_dtype not in kStateBits:
+        raise ValueError(f"state_dtype={state_dtype!r} must be one of {STATE_DTYPES}")
+    return 2 * kStateBits[state_dtype] / 8 + 1 / group_size
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2^E as fp32 for int E in [-126, 127], built from its bits (exact; the kernels' exp2_int)."""
+    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def encode_state(n1: torch.Tensor, n2: torch.Tensor, bits: int):
+    """fp32 averages [..., g] (finite) -> (q1, q2 int8 [..., g], E int8 [...]) as "Storage" defines."""
+    qmax = 2 ** (bits - 1) - 1
+    a = torch.maximum(n1.abs().amax(-1), n2.abs().amax(-1))
+    e = ((a.view(torch.int32) >> 23) & 0xFF) - 126  # a = f 2^e, f in [0.5, 1); -126 for 0 and subnormals
+    exponent = (e - (bits - 1)).clamp(kMinStateExp, kMaxStateExp)
+    down = _pow2(-exponent).unsqueeze(-1)
+    q = [torch.round(n * down).clamp(-qmax, qmax).to(torch.int8) for n in (n1, n2)]
+    return q[0], q[1], exponent.to(torch.int8)
+
+
+def decode_state(q: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """The stored values q * 2^E, fp32 [..., g] (exact)."""
+    return q.float() * _pow2(exponent).unsqueeze(-1)
+
+
+def pack_int4(q1: torch.Tensor, q2: torch.Tensor) -> torch.Tensor:
+    """The "int4" state's bytes as the kernels hold them: q1 in the low nibble, q2 in the high (uint8)."""
+    return ((q1.to(torch.int32) & 0xF) | ((q2.to(torch.int32) & 0xF) << 4)).to(torch.uint8)
+
+
 class Compensator:
     """The (m1, m2) state of one pass direction on one rank (or on P emulated ranks).
 
-    The state is ``kStateDtype`` (bf16) of the collective's padded, flattened length (shape
-    ``batch_shape + (numel,)``, ``batch_shape = (P,)`` in the emulator). It is allocated as zeros at the
-    first call after :meth:`reset`, and re-allocated (a warning-free reset) when a call's length differs
-    from the state's: an error estimate of another shape cannot be fed back.
+    The state has the shape of the collective's padded segments (``batch_shape + (P, G, g)``,
+    ``batch_shape = (P,)`` in the emulator). Under ``state_dtype`` "bf16" m1 and m2 are ``kStateDtype``
+    tensors; under "int8" / "int4" they are int8 codes and ``exponent`` (int8, one per group: shape
+    ``batch_shape + (P, G)``) their steps (:meth:`values` decodes). It is allocated as zeros at the first
+    call after :meth:`reset`, and re-allocated (a warning-free reset) when a call's length differs from the
+    state's: an error estimate of another shape cannot be fed back.
     """
 
     def __init__(self, cfg: DirectionConfig, telemetry: bool = False):
@@ -82,9 +144,11 @@ class Compensator:
         self.fast_decay = f32(cfg.fast_decay)
         self.one_minus_fast = f32(1.0 - cfg.fast_decay)
         self.residual = cfg.residual
+        self.state_dtype = cfg.state_dtype
         self.telemetry = telemetry
         self.m1: Optional[torch.Tensor] = None
         self.m2: Optional[torch.Tensor] = None
+        self.exponent: Optional[torch.Tensor] = None  # "int8" / "int4" only
         self.num_calls = 0  # calls since the last reset
         self.num_resizes = 0
         self.revealed_error_norms: List[float] = []
@@ -93,65 +157,110 @@ class Compensator:
         """Start a new pass: the averages restart from zero."""
         self.m1 = None
         self.m2 = None
+        self.exponent = None
         self.num_calls = 0
 
     def _ensure(self, shape, device) -> None:
         if self.m1 is None or self.m1.shape != shape or self.m1.device != torch.device(device):
             if self.m1 is not None:
                 self.num_resizes += 1
-            self.m1 = torch.zeros(shape, dtype=kStateDtype, device=device)
-            self.m2 = torch.zeros(shape, dtype=kStateDtype, device=device)
+            dtype = kStateDtype if self.state_dtype == "bf16" else torch.int8
+            self.m1 = torch.zeros(shape, dtype=dtype, device=device)
+            self.m2 = torch.zeros(shape, dtype=dtype, device=device)
+            if self.state_dtype != "bf16":
+                self.exponent = torch.full(tuple(shape)[:-1], kMinStateExp, dtype=torch.int8, device=device)
+
+    def values(self):
+        """(m1, m2) as the arithmetic reads them: fp32, exact (bf16 widened, or integers times 2^E)."""
+        if self.state_dtype == "bf16":
+            return self.m1.float(), self.m2.float()
+        return decode_state(self.m1, self.exponent), decode_state(self.m2, self.exponent)
 
     def correction(self, shape, device) -> torch.Tensor:
         """c = gain * (blend * m1 + (1 - blend) * m2), fp32 of ``shape``."""
         self._ensure(tuple(shape), device)
-        t1 = self.m1.float() * self.blend
-        t2 = self.m2.float() * self.one_minus_blend
+        m1, m2 = self.values()
+        t1 = m1 * self.blend
+        t2 = m2 * self.one_minus_blend
         return (t1 + t2) * self.gain
 
     def update(self, u: torch.Tensor) -> None:
         """Fold the residual ``u`` (fp32, the state's shape) into both averages, in place.
 
-        m = store_state((m * decay) + (u * (1 - decay))): fp32 arithmetic, one rounding when stored.
+        m = store((m * decay) + (u * (1 - decay))): fp32 arithmetic, one rounding when stored (bf16:
+        :func:`store_state`; "int8" / "int4": non-finite -> +0, then :func:`encode_state` per group).
         """
         if self.m1 is None or u.shape != self.m1.shape:
             raise RuntimeError(f"Compensator.update: residual of shape {tuple(u.shape)} without a matching "
                                f"correction (state {None if self.m1 is None else tuple(self.m1.shape)})")
         u = u.detach()
-        self.m1.copy_(store_state(self.m1.float() * self.slow_decay + u * self.one_minus_slow))
-        self.m2.copy_(store_state(self.m2.float() * self.fast_decay + u * self.one_minus_fast))
+        m1, m2 = self.values()
+        n1 = m1 * self.slow_decay + u * self.one_minus_slow
+        n2 = m2 * self.fast_decay + u * self.one_minus_fast
+        if self.state_dtype == "bf16":
+            self.m1.copy_(store_state(n1))
+            self.m2.copy_(store_state(n2))
+        else:
+            finite = (lambda n: torch.where(torch.isfinite(n), n, torch.zeros((), device=n.device)))
+            q1, q2, exponent = encode_state(finite(n1), finite(n2), kStateBits[self.state_dtype])
+            self.m1.copy_(q1)
+            self.m2.copy_(q2)
+            self.exponent.copy_(exponent)
         self.num_calls += 1
 
     def record(self, revealed_error_norm: float) -> None:
         self.revealed_error_norms.append(float(revealed_error_norm))
 
+    def _keys(self) -> tuple:
+        return ("m1", "m2", "num_calls") if self.state_dtype == "bf16" else ("m1", "m2", "exponent", "num_calls")
+
     def state_dict(self) -> dict:
-        """A copy of the state (m1, m2: bf16 tensors or None; num_calls)."""
+        """A copy of the state (m1, m2: bf16 tensors or None; num_calls; under "int8" / "int4" m1, m2 are
+        int8 codes and "exponent" their per-group exponents)."""
         copy = (lambda t: None if t is None else t.detach().clone())
-        return {"m1": copy(self.m1), "m2": copy(self.m2), "num_calls": self.num_calls}
+        sd = {"m1": copy(self.m1), "m2": copy(self.m2), "num_calls": self.num_calls}
+        if self.state_dtype != "bf16":
+            sd["exponent"] = copy(self.exponent)
+        return sd
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (copied in; validated: keys, dtype, matching shapes)."""
-        missing = {"m1", "m2", "num_calls"} - set(state)
-        unknown = set(state) - {"m1", "m2", "num_calls"}
+        keys = self._keys()
+        missing = set(keys) - set(state)
+        unknown = set(state) - set(keys)
         if missing or unknown:
             raise ValueError(f"Compensator.load_state_dict: missing keys {sorted(missing)}, "
-                             f"unknown keys {sorted(unknown)} (expected m1, m2, num_calls)")
+                             f"unknown keys {sorted(unknown)} (expected {', '.join(keys)} for state_dtype "
+                             f"{self.state_dtype!r})")
         m1, m2, num_calls = state["m1"], state["m2"], state["num_calls"]
+        exponent = state.get("exponent")
         if not isinstance(num_calls, int) or isinstance(num_calls, bool) or num_calls < 0:
             raise ValueError(f"Compensator.load_state_dict: num_calls={num_calls!r} must be an int >= 0")
-        if (m1 is None) != (m2 is None):
-            raise ValueError("Compensator.load_state_dict: m1 and m2 must both be tensors or both None")
+        if (m1 is None) != (m2 is None) or (self.state_dtype != "bf16" and (m1 is None) != (exponent is None)):
+            what = ("m1 and m2 must both be tensors or both None" if self.state_dtype == "bf16"
+                    else "m1, m2 and exponent must all be tensors or all None")
+            raise ValueError(f"Compensator.load_state_dict: {what}")
         if m1 is not None:
-            for name, t in (("m1", m1), ("m2", m2)):
-                if not isinstance(t, torch.Tensor) or t.dtype != kStateDtype:
-                    raise ValueError(f"Compensator.load_state_dict: {name} must be a {kStateDtype} tensor, got "
+            dtype = kStateDtype if self.state_dtype == "bf16" else torch.int8
+            for name, t in (("m1", m1), ("m2", m2)) + ((("exponent", exponent),) if exponent is not None else ()):
+                if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+                    raise ValueError(f"Compensator.load_state_dict: {name} must be a {dtype} tensor, got "
                                      f"{getattr(t, 'dtype', type(t).__name__)}")
             if m1.shape != m2.shape or m1.device != m2.device:
                 raise ValueError(f"Compensator.load_state_dict: m1 {tuple(m1.shape)} on {m1.device} and m2 "
                                  f"{tuple(m2.shape)} on {m2.device} must match")
+            if exponent is not None:
+                qmax = 2 ** (kStateBits[self.state_dtype] - 1) - 1
+                if exponent.shape != m1.shape[:-1] or exponent.device != m1.device:
+                    raise ValueError(f"Compensator.load_state_dict: exponent {tuple(exponent.shape)} must have "
+                                     f"m1's shape without its last axis, {tuple(m1.shape[:-1])}, on {m1.device}")
+                if max(m1.abs().max().item(), m2.abs().max().item()) > qmax or \
+                        not bool(((exponent >= kMinStateExp) & (exponent <= kMaxStateExp)).all()):
+                    raise ValueError(f"Compensator.load_state_dict: codes must lie in [-{qmax}, {qmax}] and "
+                                     f"exponents in [{kMinStateExp}, {kMaxStateExp}] for {self.state_dtype!r}")
+                exponent = exponent.detach().clone()
             m1, m2 = m1.detach().clone(), m2.detach().clone()
-        self.m1, self.m2, self.num_calls = m1, m2, num_calls
+        self.m1, self.m2, self.exponent, self.num_calls = m1, m2, exponent, num_calls
 
 
 def make_compensator(cfg: DirectionConfig, telemetry: bool = False) -> Optional[Compensator]:

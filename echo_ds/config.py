@@ -9,9 +9,10 @@
       "quantizer": "zero_aware_int", // "zero_aware_int" | "zero_aware" | "symmetric" | "naive"
       "rotation": "hadamard",       // "none" | "hadamard"
       "forward":  {"compensate": true, "gain": 1.0, "blend": 0.35, "slow_decay": 0.7,
-                   "fast_decay": 0.3, "residual": "local", "pow2_rescale": "auto"},
+                   "fast_decay": 0.3, "residual": "local", "pow2_rescale": "auto",
+                   "state_dtype": "bf16"},  // "bf16" | "int8" | "int4" (echo_ds.compensator)
       "backward": {"compensate": true, "gain": 0.75, "blend": 0.35, "slow_decay": 0.7,
-                   "fast_decay": 0.3, "residual": "local", "pow2_rescale": true},
+                   "fast_decay": 0.3, "residual": "local", "pow2_rescale": true, "state_dtype": "bf16"},
       "early_sites": {"bits": 8, "fraction": 0.0},
       "backend": "auto",            // "auto" | "reference" | "p2p"
       "min_message_bytes": 0,
@@ -51,6 +52,10 @@ ECHO_KEY = "echo"
 # (torch.distributed), "p2p" (the CUDA peer-to-peer transport).
 Backend = Literal["auto", "reference", "p2p"]
 BACKENDS = get_args(Backend)
+# The stored formats of the compensator's state (echo_ds.compensator, "Storage"): "bf16" m1 and m2 as
+# bfloat16; "int8" / "int4" as 8- or 4-bit integers with one power-of-two exponent per group.
+StateDtype = Literal["bf16", "int8", "int4"]
+STATE_DTYPES = get_args(StateDtype)
 
 
 class EchoConfigError(ValueError):
@@ -122,6 +127,10 @@ class DirectionConfig(_Section):
         true at every call, ``"auto"`` only for a message whose largest magnitude lies outside
         [2^-6, 2^15), where fp16 group scales would clip it or flush it to zero (echo_ds.algorithm), false
         never. It applies whether or not the direction compensates.
+    state_dtype: how m1 and m2 are stored between calls (echo_ds.compensator, "Storage"): ``"bf16"``
+        (4 bytes per element for both), ``"int8"`` (2 + 1/g) or ``"int4"`` (1 + 1/g), the integers in
+        units of one power-of-two step per group of g elements. The p2p kernels hold ``"bf16"`` only:
+        another value runs the reference path (echo_ds.p2p.policy).
     """
 
     _key: ClassVar[str] = "echo.<direction>"
@@ -133,6 +142,7 @@ class DirectionConfig(_Section):
     fast_decay: float = Field(0.3, ge=0.0, lt=1.0)
     residual: Literal["output", "local"] = "local"
     pow2_rescale: Union[bool, Literal["auto"]] = "auto"
+    state_dtype: StateDtype = "bf16"
 
     @field_validator("pow2_rescale", mode="before")
     @classmethod

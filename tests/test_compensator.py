@@ -1,5 +1,6 @@
 """The compensator's numerics contract (echo_ds/compensator.py): bf16 storage, fp32 arithmetic, one
-rounding when stored, non-finite values stored as zero; state_dict / load_state_dict; no autograd graph."""
+rounding when stored, non-finite values stored as zero; the narrow formats ("int8", "int4": integers with
+one power-of-two exponent per group, saturating); state_dict / load_state_dict; no autograd graph."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from echo_ds import algorithm as A
+from echo_ds import compensator as C
 from echo_ds.compensator import Compensator, kStateDtype, store_state
 from echo_ds.config import DirectionConfig, EchoConfig
 from echo_ds.emulate import CompensatedAllReduce
@@ -68,9 +70,11 @@ def test_correction_reads_the_state_exactly():
     assert torch.equal(c, expected)
 
 
+@pytest.mark.parametrize("state_dtype", ["bf16", "int4"])
 @pytest.mark.parametrize("residual", ["local", "output"])
-def test_a_non_finite_call_poisons_only_itself(residual):
-    cfg = EchoConfig(group_size=128, forward={"residual": residual})  # the slices below are groups of 128
+def test_a_non_finite_call_poisons_only_itself(residual, state_dtype):
+    # the slices below are groups of 128
+    cfg = EchoConfig(group_size=128, forward={"residual": residual, "state_dtype": state_dtype})
     op = CompensatedAllReduce(4, cfg)
     gen = torch.Generator().manual_seed(1)
     op(torch.randn(4, 4096, generator=gen))
@@ -79,9 +83,10 @@ def test_a_non_finite_call_poisons_only_itself(residual):
     bad[1, 1000] = float("inf")
     y = op(bad)
     assert torch.isnan(y[256:384]).all() and torch.isnan(y[896:1024]).all()
-    assert torch.isfinite(op.compensator.m1.float()).all() and torch.isfinite(op.compensator.m2.float()).all()
+    m1, m2 = op.compensator.values()
+    assert torch.isfinite(m1).all() and torch.isfinite(m2).all()
     # Where a residual was non-finite the state restarted from zero; elsewhere it kept its estimate.
-    assert (op.compensator.m1.float() == 0).any() and (op.compensator.m1.float() != 0).any()
+    assert (m1 == 0).any() and (m1 != 0).any()
     clean = torch.randn(4, 4096, generator=gen)
     y = op(clean)
     assert torch.isfinite(y).all()
@@ -152,3 +157,145 @@ def test_update_without_a_matching_state_raises():
     comp.correction((256,), "cpu")
     with pytest.raises(RuntimeError, match="residual of shape \\(128,\\)"):
         comp.update(torch.zeros(128))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The narrow formats ("int8", "int4")
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_encode_state_puts_the_group_max_in_the_top_binade_and_saturates(bits):
+    qmax = 2 ** (bits - 1) - 1
+    gen = torch.Generator().manual_seed(bits)
+    n1 = torch.randn(300, 64, generator=gen) * torch.logspace(-30, 30, 300)[:, None]
+    n2 = torch.randn(300, 64, generator=gen) * torch.logspace(-30, 30, 300)[:, None] * 0.3
+    q1, q2, e = C.encode_state(n1, n2, bits)
+    assert q1.dtype == q2.dtype == e.dtype == torch.int8 and e.shape == (300,)
+    a = torch.maximum(n1.abs().amax(-1), n2.abs().amax(-1))
+    step = 2.0 ** e.double()
+    # The group's largest value lies in [2^(b-2), 2^(b-1)) steps: the step follows the group.
+    assert bool(((a / step >= 2 ** (bits - 2)) & (a / step < 2 ** (bits - 1))).all())
+    for q, n in ((q1, n1), (q2, n2)):
+        assert int(q.abs().max()) <= qmax
+        back = C.decode_state(q, e).double()
+        assert torch.equal(back, q.double() * step[:, None])  # exact decode
+        err = (back - n.double()).abs()
+        inside = n.double().abs() <= qmax * step[:, None]
+        assert bool((err[inside] <= 0.5 * step.expand(64, -1).T[inside]).all())  # round to nearest
+        assert bool((err[~inside] <= step.expand(64, -1).T[~inside]).all())  # saturated: < one step
+        # never wraps: a saturated code keeps its value's sign and the largest magnitude
+        assert bool((q[~inside].abs() == qmax).all()) and bool((q[~inside].sign() == n[~inside].sign()).all())
+    assert int(q1.abs().max()) == qmax  # some group's largest value reached the top code
+
+
+def test_encode_state_rounds_half_to_even_and_stores_zero_groups_alike():
+    # Group max 7.5 -> E = 0 for int4 (7.5 = 0.94 2^3, E = 3 - 3): 2.5 -> 2, 3.5 -> 4, -0.5 -> 0, 7.5 -> 7.
+    n = torch.tensor([[2.5, 3.5, -0.5, 7.5]])
+    q1, q2, e = C.encode_state(n, torch.zeros_like(n), 4)
+    assert e.tolist() == [0] and q1.tolist() == [[2, 4, 0, 7]] and q2.tolist() == [[0, 0, 0, 0]]
+    zero = torch.zeros(3, 8)
+    zero[1, 2] = 1e-40  # subnormal
+    q1, q2, e = C.encode_state(zero, zero, 8)
+    assert e.tolist() == [C.kMinStateExp] * 3 and not q1.any()
+    assert C.encode_state(torch.full((1, 4), 3.0e38), torch.zeros(1, 4), 4)[2].item() <= C.kMaxStateExp
+
+
+@pytest.mark.parametrize("state_dtype", ("int8", "int4"))
+def test_narrow_update_is_the_fp32_expression_encoded_per_group(state_dtype):
+    comp = make(slow_decay=0.7, fast_decay=0.3, state_dtype=state_dtype)
+    gen = torch.Generator().manual_seed(2)
+    shape = (2, 4, 16, 64)
+    comp.correction(shape, "cpu")
+    assert comp.m1.dtype == torch.int8 and comp.exponent.shape == shape[:-1]
+    for _ in range(3):  # a few updates, so the old state is not zero
+        u = torch.randn(shape, generator=gen) * torch.rand(shape[:-1] + (1,), generator=gen)
+        m1, m2 = comp.values()
+        expected = C.encode_state(m1 * comp.slow_decay + u * comp.one_minus_slow,
+                                  m2 * comp.fast_decay + u * comp.one_minus_fast, C.kStateBits[state_dtype])
+        comp.update(u)
+        for got, want in zip((comp.m1, comp.m2, comp.exponent), expected):
+            assert torch.equal(got, want)
+    # The correction reads the decoded values, in the bf16 path's order.
+    m1, m2 = comp.values()
+    assert torch.equal(comp.correction(shape, "cpu"), (m1 * comp.blend + m2 * comp.one_minus_blend) * comp.gain)
+
+
+def test_narrow_update_zeroes_non_finite_values_only():
+    comp = make(state_dtype="int4")
+    comp.correction((2, 64), "cpu")
+    u = torch.randn(2, 64)
+    u[0, 5] = float("nan")
+    u[1, 7] = float("inf")
+    comp.update(u)
+    m1, m2 = comp.values()
+    assert m1[0, 5] == 0 and m2[1, 7] == 0 and torch.isfinite(m1).all() and torch.isfinite(m2).all()
+    assert (m1[0] != 0).sum() > 32  # the rest of the group kept its estimate
+
+
+def test_state_bytes_per_element():
+    assert C.state_bytes_per_element("bf16", 64) == 4
+    assert C.state_bytes_per_element("int8", 64) == 2 + 1 / 64
+    assert C.state_bytes_per_element("int4", 64) == 1 + 1 / 64
+    with pytest.raises(ValueError, match="state_dtype='fp8'"):
+        C.state_bytes_per_element("fp8", 64)
+    # What the reference holds: int8 codes, one per value (the kernels pack int4 two to a byte), and
+    # one int8 exponent per group.
+    op = CompensatedAllReduce(2, EchoConfig(forward={"state_dtype": "int4"}))
+    op(torch.randn(2, 10_000))
+    padded = A.Layout(10_000, 2, EchoConfig().group_size).padded_numel
+    comp = op.compensator
+    assert comp.m1.numel() == 2 * padded and comp.exponent.numel() == 2 * padded // 64
+    packed = C.pack_int4(comp.m1, comp.m2)
+    assert packed.dtype == torch.uint8 and packed.numel() * 1 + comp.exponent.numel() == \
+        C.state_bytes_per_element("int4", 64) * 2 * padded
+
+
+def test_pack_int4_nibbles():
+    q1 = torch.tensor([-7, -1, 0, 3, 7], dtype=torch.int8)
+    q2 = torch.tensor([7, 1, -2, -7, 0], dtype=torch.int8)
+    packed = C.pack_int4(q1, q2)
+    assert packed.tolist() == [0x79, 0x1F, 0xE0, 0x93, 0x07]
+    lo = (packed.to(torch.int32) & 0xF)
+    hi = (packed.to(torch.int32) >> 4)
+    assert torch.equal(torch.where(lo > 7, lo - 16, lo).to(torch.int8), q1)
+    assert torch.equal(torch.where(hi > 7, hi - 16, hi).to(torch.int8), q2)
+
+
+def test_narrow_state_dict_round_trips_and_is_validated():
+    op = CompensatedAllReduce(2, EchoConfig(forward={"state_dtype": "int4"}))
+    op(torch.randn(2, 1000))
+    comp = op.compensator
+    sd = comp.state_dict()
+    assert set(sd) == {"m1", "m2", "exponent", "num_calls"}
+    other = make(state_dtype="int4")
+    other.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(other.values(), comp.values()))
+    sd["exponent"].fill_(3)
+    assert not torch.equal(comp.exponent, sd["exponent"]), "state_dict must not hand out the live tensors"
+    for change, match in (
+            (lambda d: d.pop("exponent"), "missing keys \\['exponent'\\]"),
+            (lambda d: d.update(m1=d["m1"].to(torch.bfloat16)), "m1 must be a torch.int8 tensor"),
+            (lambda d: d.update(m2=d["m2"] * 2), "codes must lie in \\[-7, 7\\]"),
+            (lambda d: d.update(exponent=d["exponent"][..., :-1]), "exponent .* must have m1's shape"),
+            (lambda d: d.update(exponent=None), "m1, m2 and exponent must all be tensors or all None")):
+        bad = comp.state_dict()
+        change(bad)
+        with pytest.raises(ValueError, match=match):
+            make(state_dtype="int4").load_state_dict(bad)
+    with pytest.raises(ValueError, match="unknown keys \\['exponent'\\]"):
+        make().load_state_dict(comp.state_dict())  # a narrow state into a bf16 compensator
+
+
+@pytest.mark.parametrize("state_dtype", ("int8", "int4"))
+def test_narrow_state_steps_follow_each_groups_magnitude(state_dtype):
+    # Inputs spanning six decades: each group's step follows its own largest value.
+    P, n = 4, 4096
+    gen = torch.Generator().manual_seed(9)
+    op = CompensatedAllReduce(P, EchoConfig(forward={"state_dtype": state_dtype}))
+    for _ in range(4):
+        op(torch.randn(P, n, generator=gen) * torch.logspace(-3, 3, n)[None])
+    m1 = op.compensator.values()[0]
+    step = 2.0 ** op.compensator.exponent.float()
+    a = m1.abs().amax(-1)
+    assert bool((a <= 2 ** (C.kStateBits[state_dtype] - 1) * step).all())
+    assert float(step.max() / step.min()) > 1e3  # a step per group, not per tensor

@@ -19,6 +19,8 @@ def test_defaults_are_the_documented_schema():
     assert EchoConfig(backward={"blend": 0.4}).backward.gain == 0.75
     assert cfg.backward.pow2_rescale is True and cfg.forward.pow2_rescale == "auto"
     assert (cfg.early_sites.bits, cfg.early_sites.fraction) == (8, 0.0)
+    # The compensator state stays bf16 until the kernels reproduce the narrow formats (issue 34).
+    assert cfg.forward.state_dtype == cfg.backward.state_dtype == "bf16"
 
 
 @pytest.mark.parametrize("section, key, value, allowed", [
@@ -37,6 +39,9 @@ def test_defaults_are_the_documented_schema():
     ({"forward": {"slow_decay": 1.0}}, "echo.forward.slow_decay", "1.0", "less than 1"),
     ({"backward": {"fast_decay": 1}}, "echo.backward.fast_decay", "1", "less than 1"),
     ({"forward": {"residual": "input"}}, "echo.forward.residual", "'input'", "'output' or 'local'"),
+    ({"forward": {"state_dtype": "int3"}}, "echo.forward.state_dtype", "'int3'", "'bf16', 'int8' or 'int4'"),
+    ({"backward": {"state_dtype": 8}}, "echo.backward.state_dtype", "8", "'bf16', 'int8' or 'int4'"),
+    ({"backward": {"state_dtyp": "int8"}}, "echo.backward.state_dtyp", "'int8'", "did you mean 'state_dtype'?"),
     ({"early_sites": {"fraction": 1.2}}, "echo.early_sites.fraction", "1.2", "less than or equal to 1"),
     ({"early_sites": {"bits": 2}}, "echo.early_sites.bits", "2", "(4, 8)"),
     ({"bitz": 4}, "echo.bitz", "4", "allowed keys: enabled, bits"),
@@ -241,3 +246,13 @@ def test_runtime_refuses_a_config_that_is_not_one():
         echo.EchoRuntime({"bits": 4}, None, "cpu")
     with pytest.raises(ValueError, match="EchoRuntime: log_interval=-5 must be >= 0"):
         echo.EchoRuntime(EchoConfig(), None, "cpu", log_interval=-5)
+
+
+@pytest.mark.parametrize("state_dtype", ("bf16", "int8", "int4"))
+def test_state_dtype_per_direction_reaches_the_compensator(state_dtype):
+    from echo_ds.compensator import make_compensator
+
+    cfg = EchoConfig.from_ds_config({"echo": {"forward": {"state_dtype": state_dtype}}})
+    assert cfg.forward.state_dtype == state_dtype and cfg.backward.state_dtype == "bf16"
+    assert make_compensator(cfg.forward).state_dtype == state_dtype
+    assert make_compensator(cfg.backward).state_dtype == "bf16"

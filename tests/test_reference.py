@@ -39,6 +39,11 @@ def cases():
         ("auto-huge", QuantSpec(4, 64, rotation=True), DirectionConfig(residual="local"), "auto", torch.float32,
          (3, 100)),
         ("auto-tiny-8", QuantSpec(8, 128), None, "auto", torch.float32, (2, 150)),
+        # the narrow compensator states (echo_ds.compensator, "Storage")
+        ("comp-local-int4", QuantSpec(4, 64, rotation=True), DirectionConfig(residual="local", state_dtype="int4"),
+         "auto", torch.float32, (4, 100)),
+        ("comp-output-int8-pow2", QuantSpec(4, 32, rotation=True),
+         DirectionConfig(residual="output", state_dtype="int8"), True, torch.bfloat16, (3, 70)),
     ]
     return out
 
@@ -197,7 +202,7 @@ def theorem_run(cfg, partials, num_calls):
         max_S = max(max_S, S.abs().max().item())
         max_q = max(max_q, delta.abs().max().item())
         if op.compensator is not None:
-            max_m = max(max_m, op.compensator.m1.abs().max().item())
+            max_m = max(max_m, op.compensator.values()[0].abs().max().item())
     return max_S, max_q, max_m
 
 
@@ -205,15 +210,16 @@ def mu_w(d):
     return d.blend * d.slow_decay / (1 - d.slow_decay) + (1 - d.blend) * d.fast_decay / (1 - d.fast_decay)
 
 
+@pytest.mark.parametrize("state_dtype", ("bf16", "int8"))
 @pytest.mark.parametrize("kind", ("constant", "random"))
-def test_theorem1_partial_sums_stay_bounded(kind):
+def test_theorem1_partial_sums_stay_bounded(kind, state_dtype):
     N, P = 240, 4
     gen = torch.Generator().manual_seed(3)
     fixed = torch.randn(P, 2048, generator=gen)
     draws = [torch.randn(P, 2048, generator=gen) for _ in range(N)] if kind == "random" else None
     partials = (lambda k: fixed) if kind == "constant" else (lambda k: draws[k])
 
-    local = EchoConfig(forward={"gain": 1.0, "residual": "local"})
+    local = EchoConfig(forward={"gain": 1.0, "residual": "local", "state_dtype": state_dtype})
     max_S, q, max_m = theorem_run(local, partials, N)
     bound = (1 + mu_w(local.forward)) * q
     assert max_S <= bound, f"max |S_t| = {max_S:.4f} > (1 + mu_w) q = {bound:.4f}"
@@ -229,14 +235,37 @@ def test_theorem1_partial_sums_stay_bounded(kind):
     assert max_S0 > 10 * max_S
 
 
-def test_output_residual_state_grows_on_identical_calls_local_does_not():
+@pytest.mark.parametrize("kind", ("constant", "random"))
+def test_theorem1_with_the_int4_state(kind):
+    # The int4 state keeps each rank's state at the size of one rounding error, and random calls within
+    # Theorem 1's bound; on identical calls its rounding (up to 1/8 of the group's largest value) leaves
+    # the filter a fixed point off the residual, whose error the partial sums accumulate: linearly, but
+    # far slower than without compensation (docs/kernels.md, "Compensator state dtype").
+    N, P = 240, 4
+    gen = torch.Generator().manual_seed(3)
+    fixed = torch.randn(P, 2048, generator=gen)
+    draws = [torch.randn(P, 2048, generator=gen) for _ in range(N)] if kind == "random" else None
+    partials = (lambda k: fixed) if kind == "constant" else (lambda k: draws[k])
+    local = EchoConfig(forward={"gain": 1.0, "residual": "local", "state_dtype": "int4"})
+    max_S, q, max_m = theorem_run(local, partials, N)
+    assert max_m <= 2 * q
+    max_S0, _, _ = theorem_run(EchoConfig(forward={"compensate": False}), partials, N)
+    if kind == "random":
+        assert max_S <= (1 + mu_w(local.forward)) * q
+        assert max_S0 > 5 * max_S  # 7x measured
+    else:
+        assert max_S0 > 10 * max_S  # 15x measured (N = 240)
+
+
+@pytest.mark.parametrize("state_dtype", ("bf16", "int4"))
+def test_output_residual_state_grows_on_identical_calls_local_does_not(state_dtype):
     # The paper's residual keeps each rank's deviation from the mean contribution in its own state.
     P, N = 4, 200
     parts = torch.randn(P, 1024)
-    _, q_local, m_local = theorem_run(EchoConfig(forward={"gain": 1.0, "residual": "local"}),
-                                      lambda k: parts, N)
-    _, q_out, m_out = theorem_run(EchoConfig(forward={"gain": 1.0, "residual": "output"}),
-                                  lambda k: parts, N)
+    _, q_local, m_local = theorem_run(EchoConfig(forward={"gain": 1.0, "residual": "local",
+                                                          "state_dtype": state_dtype}), lambda k: parts, N)
+    _, q_out, m_out = theorem_run(EchoConfig(forward={"gain": 1.0, "residual": "output",
+                                                      "state_dtype": state_dtype}), lambda k: parts, N)
     assert m_local <= 2 * q_local
     assert m_out > 20 * m_local
 

@@ -88,18 +88,28 @@ def environment_message(switches: EnvironmentSwitches, configured_backend: Optio
 
 
 def p2p_transport_status(device_type: str, world_size: int, kernels_error: Optional[str] = None,
-                         *, same_host: bool = True, peer_access: bool = True) -> Tuple[bool, str]:
+                         *, same_host: bool = True, peer_access: bool = True,
+                         state_dtypes: Optional[Mapping[str, str]] = None) -> Tuple[bool, str]:
     """Whether the CUDA peer-to-peer transport can serve a group, and if not, why.
 
     kernels_error: why the CUDA kernels cannot be built here (``echo_ds.ops.unavailable_reason()``), or
     None where they can. same_host / peer_access are what is known before the handshake; the transport's
     own constructor checks both again across the group (host ids, a write-and-verify probe) and falls
-    back with one warning where they fail.
+    back with one warning where they fail. state_dtypes: ``{direction: echo.<direction>.state_dtype}`` of
+    the directions that compensate; the kernels hold only ``SUPPORTED_STATE_DTYPES``.
     """
+    from echo_ds.ops.kernels import SUPPORTED_STATE_DTYPES
     from echo_ds.p2p.policy import p2p_transport_status as group_status
 
-    return group_status(device_type, world_size, same_host=same_host, peer_access=peer_access,
-                        kernels_built=kernels_error is None, kernels_error=kernels_error or "")
+    available, why_not = group_status(device_type, world_size, same_host=same_host, peer_access=peer_access,
+                                      kernels_built=kernels_error is None, kernels_error=kernels_error or "")
+    narrow = {d: s for d, s in (state_dtypes or {}).items() if s not in SUPPORTED_STATE_DTYPES}
+    if available and narrow:
+        shown = ", ".join(f'echo.{d}.state_dtype="{s}"' for d, s in narrow.items())
+        return False, (f"the p2p kernels hold the compensator state as {'/'.join(SUPPORTED_STATE_DTYPES)} only and "
+                       f"this config has {shown}, which runs on the reference path (set \"state_dtype\": \"bf16\" "
+                       f"in that direction's section of \"echo\" to use the p2p transport)")
+    return available, why_not
 
 
 def select_backend(requested: str, device_type: str, world_size: int,

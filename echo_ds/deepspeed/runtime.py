@@ -189,7 +189,10 @@ class EchoRuntime:
         if config.backend != "reference" and self.device.type == "cuda":
             from echo_ds import ops
 
-            p2p_status = policy.p2p_transport_status(self.device.type, self.world_size, ops.unavailable_reason())
+            p2p_status = policy.p2p_transport_status(
+                self.device.type, self.world_size, ops.unavailable_reason(),
+                state_dtypes={d: config.direction(d).state_dtype for d in (FORWARD, BACKWARD)
+                              if config.direction(d).compensate})
         choice = policy.select_backend(config.backend, self.device.type, self.world_size, p2p_status)
         log_once(choice.level, "echo: " + choice.reason)
         self.backend = choice.name
