@@ -355,7 +355,9 @@ def _sweep(buf, rank, P, dev, spec, args):
             if comp is not None:  # its first call allocates the state: measured
                 _, row["memory"]["compensated"] = _measure_call(
                     dev, lambda: buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2))
-                row["memory"]["state_bytes"] = sum(t.numel() * t.element_size() for t in (comp.m1, comp.m2))
+                state = [getattr(comp, name, None) for name in ("m1", "m2")]
+                row["memory"]["state_bytes"] = sum(t.numel() * t.element_size() for t in state
+                                                   if isinstance(t, torch.Tensor))
             secs, host = _time_calls(buf, x, spec, comp, pow2, args["warmup"], args["iters"])
             med, lo, hi = _median_spread(secs)
             row[label] = {"median_s": med, "min_s": lo, "max_s": hi, "host_median_s": statistics.median(host)}
@@ -600,6 +602,9 @@ def main(argv=None):
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--min-bytes", type=int, default=64 * 1024)
     ap.add_argument("--max-bytes", type=int, default=256 * MIB)
+    ap.add_argument("--max-bytes-at", default="",
+                    help="a smaller --max-bytes for some world sizes, e.g. 8:268435456 (P = 8 up to the size that fits "
+                         "when its ranks share one GPU); comma-separated P:bytes")
     ap.add_argument("--factor", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -656,12 +661,14 @@ def main(argv=None):
         print_flags(lat, args.pingpong)
 
     world_sizes = [int(v) for v in args.world_sizes.split(",")]
+    max_at = {int(p): int(b) for p, b in (item.split(":") for item in args.max_bytes_at.split(",") if item)}
     for P in world_sizes:
         # The tile sweep at the largest world size only (device time is short).
-        res = run_distributed(sweep_body, P, dict(cfg, tile_sweep_bytes=cfg["tile_sweep_bytes"] if P == world_sizes[-1]
-                                                  else 0), timeout=600)[0]
+        cfg_p = dict(cfg, tile_sweep_bytes=cfg["tile_sweep_bytes"] if P == world_sizes[-1] else 0,
+                     max_bytes=min(cfg["max_bytes"], max_at.get(P, cfg["max_bytes"])))
+        res = run_distributed(sweep_body, P, cfg_p, timeout=600)[0]
         report["sweeps"][P] = res
-        print_sweep(P, res, report, dict(cfg, tile_sweep_bytes=cfg["tile_sweep_bytes"] if P == world_sizes[-1] else 0))
+        print_sweep(P, res, report, cfg_p)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
