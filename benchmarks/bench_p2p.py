@@ -320,7 +320,7 @@ def _model(P, n, spec, residual, pow2, comp=None):
 
 def _sweep(buf, rank, P, dev, spec, args):
     from echo_ds.compensator import make_compensator
-    from echo_ds.config import DirectionConfig
+    from echo_ds.config import ForwardConfig
     from echo_ds.emulate import emulated_echo_all_reduce
     from tests.p2p_suite import all_same, digest, same_bits
 
@@ -351,7 +351,7 @@ def _sweep(buf, rank, P, dev, spec, args):
                "check": "emulator" if check else "ranks agree", "copy_s": _time_copy(x, args["iters"]),
                "memory": mem}
         for label in ("uncompensated", "compensated"):
-            comp = make_compensator(DirectionConfig()) if label == "compensated" else None
+            comp = make_compensator(ForwardConfig()) if label == "compensated" else None
             if comp is not None:  # its first call allocates the state: measured
                 _, row["memory"]["compensated"] = _measure_call(
                     dev, lambda: buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2))
@@ -626,8 +626,13 @@ def main(argv=None):
                          "keeps the benchmark's own memory at one input per rank")
     ap.add_argument("--rotation", choices=("hadamard", "none"), default="hadamard",
                     help="the quantizer's rotation (default: the default configuration's)")
-    ap.add_argument("--quantizer", default="zero_aware", help="the quantizer (echo_ds.quant.QUANTIZERS)")
-    ap.add_argument("--group-size", type=int, default=128)
+    from echo_ds.config import EchoConfig
+
+    defaults = EchoConfig.model_fields  # the "echo" section's defaults (docs/training.md chose them)
+    ap.add_argument("--quantizer", default=defaults["quantizer"].default,
+                    help="the quantizer (echo_ds.quant.QUANTIZERS; default %(default)s, the default configuration's)")
+    ap.add_argument("--group-size", type=int, default=defaults["group_size"].default,
+                    help="the group size g (default %(default)s, the default configuration's)")
     ap.add_argument("--graph-reps", type=int, default=10,
                     help="calls per CUDA graph for the graph-replay columns (0: no graph timing)")
     ap.add_argument("--pow2", choices=("false", "true", "auto"), default="false",
