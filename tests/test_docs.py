@@ -899,3 +899,11 @@ other than 1/0 (or true/false; for the backend `auto`, `nccl`) stops it.
     assert len(bad) == 8  # the device row twice: capability and architecture
     bad = switch_problems(wrong)
     assert len(bad) == 3 and "ECHO_DS_BACKEND" in bad[0] and "yes" in bad[1] and "nccl" in bad[2]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_sections_are_not_repeated(doc):
+    """Each "## " section once: a doc that others extend section by section must not grow two of one."""
+    headings = [line.strip() for line in read(doc).split("\n") if line.startswith("## ")]
+    repeated = sorted({h for h in headings if headings.count(h) > 1})
+    assert not repeated, f"{doc} repeats the sections {repeated}"
