@@ -153,33 +153,37 @@ def flag_latency_body(rank, world_size, n):
 # The all-reduce
 # ----------------------------------------------------------------------------------------------------
 
-def _time_calls(buf, x, spec, comp, pow2, warmup, iters):
+def _time_calls(buf, x, spec, comp, pow2, warmup, iters, call=None):
+    """(seconds per call, host seconds per call) of ``iters`` eager calls; call: what to time instead of the
+    Echo call (a function of no argument: the plain 16-bit call)."""
+    call = call or (lambda: buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for _ in range(warmup):
-        buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
+        call()
     buf.synchronize()
     dist.barrier()
     host = []
     for i in range(iters):
         starts[i].record()
         h = time.perf_counter()
-        buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
+        call()
         host.append(time.perf_counter() - h)
         ends[i].record()
     buf.synchronize()
     return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)], host
 
 
-def _time_graph(buf, x, spec, comp, pow2, iters, reps):
+def _time_graph(buf, x, spec, comp, pow2, iters, reps, call=None):
     """Seconds per call of ``reps`` back-to-back calls captured in one CUDA graph (median, min, max over
     ``iters`` replays). The ranks meet at a barrier before each replay, so every replay starts together."""
-    buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)  # eager warm-up: schedule and state exist before the capture
+    call = call or (lambda: buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2))
+    call()  # eager warm-up: schedule and state exist before the capture
     buf.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
-            buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
+            call()
     buf.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     secs = []
@@ -367,10 +371,33 @@ def _sweep(buf, rank, P, dev, spec, args):
                 g_med, g_lo, g_hi = _time_graph(buf, x, spec, comp, pow2, args["iters"], args["graph_reps"])
                 row[label].update(graph_median_s=g_med, graph_min_s=g_lo, graph_max_s=g_hi)
             del comp
+        if buf._runtime is not None and spec.bits == args["bits"][0]:
+            # The unquantized call of the same family: the in-run 16-bit baseline (one per size and path).
+            from tests.p2p_suite import plain_expected
+
+            call = lambda: buf.plain_all_reduce(x)  # noqa: E731
+            y = call()
+            plain_ok = not check or same_bits(y, plain_expected(torch.stack([t.to(dev) for t in _all_gather_cpu(x)])))
+            plain_ok = all_same(digest(y)) and plain_ok
+            del y
+            secs, host = _time_calls(buf, x, spec, None, False, args["warmup"], args["iters"], call=call)
+            med, lo, hi = _median_spread(secs)
+            row["plain16"] = {"median_s": med, "min_s": lo, "max_s": hi, "host_median_s": statistics.median(host),
+                              "ok": plain_ok, "model": BM.plain_call_bytes(P, n, "bfloat16").as_dict()}
+            if args["graph_reps"]:
+                g_med, g_lo, g_hi = _time_graph(buf, x, spec, None, False, args["iters"], args["graph_reps"], call=call)
+                row["plain16"].update(graph_median_s=g_med, graph_min_s=g_lo, graph_max_s=g_hi)
         rows.append(row)
         del x
         size *= args["factor"]
     return rows
+
+
+def _all_gather_cpu(x):
+    """Every rank's x (gloo gathers CPU tensors)."""
+    parts = [torch.empty_like(x, device="cpu") for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.cpu())
+    return parts
 
 
 def _workspace(buf):
@@ -523,6 +550,25 @@ def print_sweep(P, res, report, cfg):
                 cells.append(f"{_gib(hbm)} |{sent} {_us(floor)} | {_pct(floor, d['median_s'])} | "
                              f"{_pct(floor, d.get('graph_median_s'))}")
             print(f"| {_fmt_bytes(r['bytes'])} | " + " | ".join(cells) + " |")
+
+        plain = [r for r in rows if "plain16" in r]
+        if plain:
+            print(f"\n16-bit baseline, P = {P}, {stages}: the unquantized call of the same kernel family "
+                  f"(EchoBuffer.plain_all_reduce: the same flags, epochs and chunks; fp32 sum in rank order, one "
+                  f"rounding), its floor from the same copy bandwidth; Echo / 16-bit = the Echo call's time over it")
+            print("| size | 16-bit eager | 16-bit host | 16-bit graph | HBM/rank | sent/rank | % of floor graph | "
+                  "Echo / 16-bit graph | compensated Echo / 16-bit graph | correct |")
+            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+            for r in plain:
+                d, m = r["plain16"], r["plain16"]["model"]
+                hbm = m["read_bytes"] + m["write_bytes"]
+                d["floor_s"] = share * hbm / copy_bw
+                g = d.get("graph_median_s")
+                ratio = (lambda label: "-" if not g or "graph_median_s" not in r[label]
+                         else f"{r[label]['graph_median_s'] / g:.2f}x")
+                print(f"| {_fmt_bytes(r['bytes'])} | {_us(d['median_s'])} | {d['host_median_s'] * 1e6:.0f} us | "
+                      f"{_us(g) if g else '-'} | {_gib(hbm)} | {_gib(m['sent_bytes'])} | {_pct(d['floor_s'], g)} | "
+                      f"{ratio('uncompensated')} | {ratio('compensated')} | {'yes' if d['ok'] else 'NO'} |")
 
         small = [r for r in rows if r["bytes"] <= kLatencyMaxBytes]
         if small:

@@ -200,6 +200,25 @@ def call_bytes(world_size: int, numel: int, dtype="bfloat16", bits: int = 4, gro
     return CallBytes(P, n, tuple(passes))
 
 
+def plain_call_bytes(world_size: int, numel: int, dtype="bfloat16", group_size: int = 256) -> CallBytes:
+    """The bytes of one unquantized call of the same family (EchoBuffer.plain_all_reduce; csrc
+    p2p_plain_all_reduce_kernel, groups of 256 elements): the entry copies the P - 1 sent segments' x into
+    the owners' slots, the owner reads them and its own x and writes the rounded sum into every rank's slot,
+    the tail copies every segment's slot into y (groups that are all padding skipped)."""
+    P = int(world_size)
+    if P < 2:
+        raise ValueError(f"world_size={world_size} must be >= 2")
+    n, s, g = int(numel), element_bytes(dtype), int(group_size)
+    G = max(1, math.ceil(n / (P * g)))
+    slot = G * g * s  # one segment's slot: whole groups, padding included
+    x_sent = (P - 1) * n * s
+    return CallBytes(P, n, (
+        Pass("entry", x_sent, P * (P - 1) * slot, P * (P - 1) * slot),
+        Pass("owner_reduce", n * s + P * (P - 1) * slot, P * P * slot, P * (P - 1) * slot),
+        Pass("tail", P * math.ceil(n / g) * g * s, P * n * s),
+    ))
+
+
 def floor_seconds(calls_bytes: float, copy_bytes_per_second: float) -> float:
     """The floor of a call: ``calls_bytes`` (HBM bytes read + written by everything that shares the GPU,
     e.g. ranks_per_gpu * CallBytes.hbm_bytes) at the copy bandwidth (bytes read + written per second)."""

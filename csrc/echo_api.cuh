@@ -289,6 +289,10 @@ struct P2PAllReduceArgs {
   int64_t chunk_groups;
 };
 void launch_p2p_all_reduce(const P2PAllReduceArgs& args, cudaStream_t stream);
+// The same call without quantization (the 16-bit baseline): y = the fp32 sum in rank order rounded once to
+// x's dtype; layout.group_size must be kPlainGroupSize (256); a.src.x, out, the slots' code pointers, the
+// flags, control, error record, chunk and grid as for launch_p2p_all_reduce.
+void launch_p2p_plain_all_reduce(const P2PAllReduceArgs& args, cudaStream_t stream);
 
 // A zeroed control block on the current device, and its release.
 P2PControl* p2p_alloc_control();

@@ -375,15 +375,49 @@ class P2PRuntime {
     a.update_local = residual == 1;
     a.update_output = residual == 2;
     a.pow2 = static_cast<int32_t>(pow2);
-    // The slots hold chunk_groups groups of every segment: all G where the workspace holds the message
-    // (one launch), else the most it holds, one launch per chunk (see the loop below).
+    a.descriptor = static_cast<uint32_t>(descriptor);
+    launch_chunks(a, echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits)),
+                  echo::launch_p2p_all_reduce, stream);
+  }
+
+  // y = the sum of x over the group without quantization (the 16-bit baseline: the fp32 sum in rank order,
+  // rounded once to x's dtype; echo_api.cuh, launch_p2p_plain_all_reduce), through the same protocol.
+  void plain_all_reduce(const at::Tensor& x, const at::Tensor& y, int64_t descriptor, int64_t stream) {
+    TORCH_CHECK(control_ != nullptr, "P2PRuntime: closed");
+    TORCH_CHECK(descriptor >= 0 && descriptor <= 0xffffffffLL, "descriptor must be a 32-bit value");
+    check_tensor(x, "x");
+    check_tensor(y, "y");
+    check_like(y, "y", x, "x", "P2PRuntime");
+    echo::P2PAllReduceArgs a{};
+    a.layout = make_layout(x.numel(), world_size_, kPlainGroupSize);
+    a.src.x = x.data_ptr();
+    a.src.x_dtype = dtype_of(x, "x");
+    a.out = y.data_ptr();
+    a.rank = static_cast<int32_t>(rank_);
+    a.descriptor = static_cast<uint32_t>(descriptor);
+    launch_chunks(a, kPlainGroupSize * static_cast<int64_t>(x.element_size()), echo::launch_p2p_plain_all_reduce,
+                  stream);
+  }
+
+  int64_t max_blocks() const { return max_blocks_; }
+
+ private:
+  static constexpr int64_t kPlainGroupSize = 256;  // echo::detail::kPlainGroupSize (the launcher checks it)
+
+  // The slots, flags, grid and chunks of a call whose groups take group_code_bytes each in a slot, then its
+  // launches. The slots hold chunk_groups groups of every segment: all G where the workspace holds the
+  // message (one launch), else the most it holds, one launch per chunk, on the same stream, each a call of
+  // the protocol (its own epoch; slots reused as by back-to-back calls). Inside one launch a chunk loop
+  // kept the kernel's values live across it and spilled at 128 registers (docs/p2p.md, "One launch per
+  // call").
+  template <typename Launch>
+  void launch_chunks(echo::P2PAllReduceArgs& a, int64_t group_code_bytes, Launch launch, int64_t stream) {
     const int64_t G = a.layout.groups_per_segment;
-    const int64_t group_code_bytes = echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits));
-    const int64_t code_room = code_half_ / world_size_ / 256 * 256;    // one slot's bytes, 256-aligned
+    const int64_t code_room = code_half_ / world_size_ / 256 * 256;  // one slot's bytes, 256-aligned
     const int64_t param_room = param_half_ / world_size_ / 256 * 256;
     const int64_t chunk_groups = std::min({G, code_room / group_code_bytes, param_room / 4});
-    TORCH_CHECK(chunk_groups >= 1, "P2PRuntime: the workspace holds no group of ", group_size, " elements at ",
-                bits, " bits");
+    TORCH_CHECK(chunk_groups >= 1, "P2PRuntime: the workspace holds no group of ", a.layout.group_size,
+                " elements (", group_code_bytes, " bytes in a slot)");
     const int64_t code_stride = round_up(chunk_groups * group_code_bytes, 256);
     const int64_t param_stride = round_up(4 * chunk_groups, 256);
     const auto slot = [&](echo::QuantTable& t, int idx, int owner, int64_t index, bool gather) {
@@ -402,26 +436,19 @@ class P2PRuntime {
       slot(a.gathered, j, me, j, true);                  // my gather slot for owner j
       a.flags[j] = flags_[j];
     }
-    a.descriptor = static_cast<uint32_t>(descriptor);
     a.control = control_;
     a.error = error_;
     a.timeout_ns = static_cast<uint64_t>(timeout_ns_);
-    const int64_t per_block = 4096 / group_size;  // groups of one block item (256 threads, g / 16 lanes a group)
+    const int64_t per_block = 4096 / a.layout.group_size;  // groups of one block item (256 threads, g / 16 lanes a group)
     const int64_t wanted = (chunk_groups + per_block - 1) / per_block;
     a.num_blocks = static_cast<int32_t>(wanted < max_blocks_ ? wanted : max_blocks_);
-    // A message larger than the workspace: one launch per chunk, on the same stream, each a call of the
-    // protocol (its own epoch; slots reused as by back-to-back calls). Inside one launch a chunk loop kept
-    // the kernel's values live across it and spilled at 128 registers (docs/p2p.md, "One launch per call").
     for (int64_t begin = 0; begin < G; begin += chunk_groups) {
       a.chunk_begin = begin;
       a.chunk_groups = std::min(chunk_groups, G - begin);
-      echo::launch_p2p_all_reduce(a, as_stream(stream));
+      launch(a, as_stream(stream));
     }
   }
 
-  int64_t max_blocks() const { return max_blocks_; }
-
- private:
   static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
   int64_t rank_, world_size_, code_half_, param_half_, timeout_ns_, max_blocks_ = 1;
@@ -616,6 +643,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_reduce", &P2PRuntime::all_reduce, py::arg("x"), py::arg("y"), py::arg("m1"), py::arg("m2"),
            py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
            py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),
+           py::arg("stream"))
+      .def("plain_all_reduce", &P2PRuntime::plain_all_reduce, py::arg("x"), py::arg("y"), py::arg("descriptor"),
            py::arg("stream"))
       .def("close", &P2PRuntime::close)
       .def_property_readonly("max_blocks", &P2PRuntime::max_blocks);

@@ -396,6 +396,109 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   }
 }
 
+// The same call without quantization (a custom all-reduce like vLLM's two-shot one): the in-run 16-bit
+// baseline of the benchmarks, through the same flags, epochs, control block, error record and chunks. The
+// slots hold x's own words; the owner sums the P copies of its segment in fp32 in rank order (its own
+// from x) and rounds once to T (saturated, nearest even, as echo_ds.algorithm.from_segments rounds), which
+// every rank then copies out: y = T(((x_0 + x_1) + ...) + x_{P-1}), bit-identical on every rank. Groups of
+// kPlainGroupSize elements only shape the work and the slots (nothing is quantized); a.push_out,
+// reduce_in, reduce_out and gathered give the slots' code pointers as raw bytes.
+constexpr int kPlainGroupSize = 256;
+
+template <typename T, int kWorld>
+__global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(const P2PAllReduceArgs a) {
+  constexpr int kLanes = kPlainGroupSize / kElemsPerThread;
+  constexpr int kPerItem = kGroupsPerBlockItem<kLanes>;
+  constexpr int64_t kSlotBound = INT64_MAX;  // slots hold whole groups: no element of a slot is padding
+  __shared__ uint64_t epoch_shared;
+  const int me = a.rank;
+  const int lane = static_cast<int>(threadIdx.x % kLanes);
+  const int64_t seg_elems = a.layout.groups_per_segment * kPlainGroupSize;
+  const int64_t G = a.chunk_groups;
+  const int64_t numel = a.layout.numel;
+  const T* x = static_cast<const T*>(a.src.x);
+  const bool x_vec = aligned16(a.src.x);
+  const auto slot = [](uint8_t* codes) { return reinterpret_cast<T*>(codes); };
+  const auto element = [&](int seg, int64_t gl) { return int64_t(seg) * seg_elems + (a.chunk_begin + gl) * kPlainGroupSize; };
+
+  if (threadIdx.x == 0) epoch_shared = *reinterpret_cast<volatile uint64_t*>(&a.control->epoch) + 1;
+  __syncthreads();
+  const uint64_t epoch = epoch_shared;
+  const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;
+  P2PFlags* mine = a.flags[me];
+  const auto for_groups = [&](auto&& body) {  // this block's groups of the chunk
+    for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
+      const int64_t gl = base + threadIdx.x / kLanes;
+      if (gl < G) body(gl);
+    }
+  };
+
+  // A. entry: the segments this rank sends, x's words into each owner's push slot.
+  for_groups([&](int64_t gl) {
+#pragma unroll 1
+    for (int j = 0; j < kWorld; ++j) {
+      if (j == me) continue;
+      float v[kElemsPerThread];
+      load_thread<T, kLanes>(x, element(j, gl), lane, numel, x_vec, v);
+      store_thread<T, kLanes>(slot(a.push_out.codes[j]), gl * kPlainGroupSize, lane, kSlotBound, true, v);
+    }
+  });
+  signal_peers<kWorld, false>(a, tag);
+
+  // B. owner reduce: the fp32 sum in rank order, rounded once, into every rank's gather slot.
+  wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
+  for_groups([&](int64_t gl) {
+    float acc[kElemsPerThread];
+#pragma unroll
+    for (int r = 0; r < kWorld; ++r) {
+      float t[kElemsPerThread];
+      if (r == me) {
+        load_thread<T, kLanes>(x, element(me, gl), lane, numel, x_vec, t);
+      } else {
+        load_thread<T, kLanes>(slot(a.reduce_in.codes[r]), gl * kPlainGroupSize, lane, kSlotBound, true, t);
+      }
+#pragma unroll
+      for (int i = 0; i < kElemsPerThread; ++i) acc[i] = (r == 0) ? t[i] : f_add(acc[i], t[i]);
+    }
+#pragma unroll
+    for (int d = 0; d < kWorld; ++d) {
+      store_thread<T, kLanes>(slot(a.reduce_out.codes[d]), gl * kPlainGroupSize, lane, kSlotBound, true, acc);
+    }
+  });
+  signal_peers<kWorld, true>(a, tag);
+
+  // C. tail: every segment's sum into y.
+  wait_peers<kWorld>(a, mine->gather, tag, kP2PWaitTail);
+  const bool y_vec = aligned16(a.out);
+  for_groups([&](int64_t gl) {
+#pragma unroll 1
+    for (int seg = 0; seg < kWorld; ++seg) {
+      const int64_t e = element(seg, gl);
+      if (e >= numel) continue;
+      float v[kElemsPerThread];
+      load_thread<T, kLanes>(slot(a.gathered.codes[seg]), gl * kPlainGroupSize, lane, kSlotBound, true, v);
+      store_thread<T, kLanes>(static_cast<T*>(a.out), e, lane, numel, y_vec, v);
+    }
+  });
+
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t prev = atomicInc(&a.control->arrivals, gridDim.x - 1);
+    if (prev == gridDim.x - 1) *reinterpret_cast<volatile uint64_t*>(&a.control->epoch) = epoch;
+  }
+}
+
+template <typename T>
+void launch_p2p_plain_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t stream) {
+  switch (a.layout.world_size) {
+    case 2: p2p_plain_all_reduce_kernel<T, 2><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
+    case 4: p2p_plain_all_reduce_kernel<T, 4><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
+    default: p2p_plain_all_reduce_kernel<T, 8><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
+  }
+  ECHO_CHECK(cudaGetLastError());
+}
+
 // Launches the instantiation of T for the configuration of a (the host checks are the caller's).
 template <typename T>
 void launch_p2p_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t stream) {
@@ -412,6 +515,9 @@ void launch_p2p_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t stream
 extern template void launch_p2p_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaStream_t);
 extern template void launch_p2p_all_reduce_kernel<__half>(const P2PAllReduceArgs&, cudaStream_t);
 extern template void launch_p2p_all_reduce_kernel<__nv_bfloat16>(const P2PAllReduceArgs&, cudaStream_t);
+extern template void launch_p2p_plain_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaStream_t);
+extern template void launch_p2p_plain_all_reduce_kernel<__half>(const P2PAllReduceArgs&, cudaStream_t);
+extern template void launch_p2p_plain_all_reduce_kernel<__nv_bfloat16>(const P2PAllReduceArgs&, cudaStream_t);
 
 }  // namespace detail
 }  // namespace echo

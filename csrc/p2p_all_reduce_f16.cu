@@ -4,5 +4,6 @@
 namespace echo {
 namespace detail {
 template void launch_p2p_all_reduce_kernel<__half>(const P2PAllReduceArgs&, cudaStream_t);
+template void launch_p2p_plain_all_reduce_kernel<__half>(const P2PAllReduceArgs&, cudaStream_t);
 }  // namespace detail
 }  // namespace echo

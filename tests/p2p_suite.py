@@ -190,6 +190,34 @@ def check_sizes(buf, rank, P, device, sizes, every_rank_below: int):
     return lines
 
 
+def plain_expected(parts: torch.Tensor) -> torch.Tensor:
+    """EchoBuffer.plain_all_reduce's contract: the fp32 sum in rank order, saturated, rounded once."""
+    acc = parts[0].float()
+    for r in range(1, parts.shape[0]):
+        acc = acc + parts[r].float()
+    fmax = torch.finfo(parts.dtype).max
+    return torch.where(torch.isfinite(acc), acc.clamp(-fmax, fmax), acc).to(parts.dtype)
+
+
+def check_plain(buf, rank, P, device, sizes=(1, 4097, 65_537, 1_000_003, 333_333)):
+    """The unquantized call of the same family: every dtype, sizes from one element (chunked where the
+    buffer's workspace is small), NaN and a sum beyond fp16's range, against the rank-order fp32 sum."""
+    num = 0
+    for i, n in enumerate(sizes):
+        for dtype in DTYPES:
+            parts = parts_for(P, n, dtype, 8000 + 3 * i, device)
+            if n > 100:
+                parts[0, 7] = float("nan")
+                parts[:, 50] = 60000.0 if dtype == torch.float16 else 1e30  # fp16: the sum saturates
+            y = buf.plain_all_reduce(parts[rank])
+            buf.synchronize()
+            what = f"plain n={n} {dtype}: rank {rank}"
+            assert same_bits(y, plain_expected(parts)), f"{what} differs from the rank-order fp32 sum"
+            assert all_same(digest(y.cpu())), f"{what}: ranks differ"
+            num += 1
+    return num
+
+
 def check_chunked(rank, P, device, cfg):
     """A workspace smaller than the messages: the one-launch call runs them chunk by chunk (one launch
     per chunk from one binding call). Sizes of one to several chunks, both residuals, pow2 off and "auto"
@@ -236,6 +264,7 @@ def check_chunked(rank, P, device, cfg):
         assert same_bits(static_y, spec_on_device(inputs[j], spec, comp_emul)), f"chunked replay {j}: rank {rank}"
         assert torch.equal(comp.m1, comp_emul.m1[rank]), f"chunked replay {j}: state differs"
         num += 1
+    num += check_plain(buf, rank, P, device, sizes=(333_333,))
     buf.close()
     return num
 
@@ -348,6 +377,10 @@ def suite(rank, world_size, cfg):
         log(rank, f"P={P}: {cfg['stress_calls']} back-to-back calls of {len(cfg['stress_sizes'])} mixed sizes in "
                   f"{secs:.1f} s ({cfg['stress_calls'] / secs:.0f} calls/s per rank): no hang, digests equal on "
                   f"every rank, {checked} sampled calls bit-identical to the emulator")
+    if cuda and buf._runtime is not None:
+        n_plain = check_plain(buf, rank, P, device)
+        log(rank, f"P={P}: {n_plain} unquantized calls (plain_all_reduce: 3 dtypes, 1 element to 1 M, NaN, fp16 "
+                  f"saturation) bit-identical to the rank-order fp32 sum and across ranks")
     if cuda and cfg.get("chunked", True):
         n_chunked = check_chunked(rank, P, device, cfg)
         log(rank, f"P={P}: {n_chunked} calls in a workspace of 16 Ki elements (messages of 1 to 7 chunks, both "

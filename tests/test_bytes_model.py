@@ -186,3 +186,15 @@ def test_narrow_state_format():
     assert narrow.read_bytes - plain.read_bytes == pytest.approx((2 + 1 / 64) * n)
     assert narrow.write_bytes - plain.write_bytes == pytest.approx((2 + 1 / 64) * n)
     assert bf16.sent_bytes == narrow.sent_bytes
+
+
+def test_plain_call_bytes_hand_count():
+    """The unquantized call at P = 2, n = 1024 bf16 (two groups of 256 per segment, no padding): entry reads
+    the sent half of x (1 KiB per rank) and writes it to the owner's slot; the owner reads its half of x and
+    the peer's copy and writes the sum into both ranks' slots; the tail reads both slots and writes y."""
+    c = B.plain_call_bytes(2, 1024, "bfloat16")
+    per_rank = {p.name: (p.read_bytes / 2, p.write_bytes / 2, p.sent_bytes / 2) for p in c.passes}
+    assert per_rank == {"entry": (1024, 1024, 1024), "owner_reduce": (2048, 2048, 1024), "tail": (2048, 2048, 0)}
+    assert c.hbm_bytes == 10 * 1024 and c.sent_bytes == 2048
+    with pytest.raises(ValueError):
+        B.plain_call_bytes(1, 1024)

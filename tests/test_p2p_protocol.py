@@ -253,3 +253,16 @@ def test_call_descriptor_round_trip_and_mismatch_message():
     f = proto.WaitFailure(proto.kErrorMismatch, 0, 1, proto.kWaitReduce, 0, 3, d, other, 10, one_launch=True)
     msg = proto.describe_failure(f, 5.0, 2)
     assert "bits: rank 0 4, rank 1 8" in msg and "call 3" in msg and "different arguments" in msg, msg
+
+
+def test_plain_descriptor_differs_from_every_quantized_call():
+    """A 16-bit call on one rank and a quantized call of the same size on another must not pair up."""
+    plain = proto.plain_call_descriptor(numel=4097, dtype="bfloat16", site=3, direction="forward")
+    assert proto.decode_descriptor(plain)["compensator"] == proto.kPlainResidualName
+    assert proto.decode_descriptor(plain)["dtype"] == "bfloat16"
+    for bits, g, q, rot, pow2, res in itertools.product((4, 8), proto.DESCRIPTOR_GROUP_SIZES, proto.DESCRIPTOR_QUANTIZERS,
+                                                       (False, True), proto.DESCRIPTOR_POW2, proto.DESCRIPTOR_RESIDUALS):
+        quantized = proto.call_descriptor(numel=4097, dtype="bfloat16", bits=bits, group_size=g, quantizer=q,
+                                          rotation=rot, pow2=pow2, residual=res, site=3, direction="forward")
+        assert quantized != plain
+    assert proto.plain_call_descriptor(numel=4097, dtype="float16", site=3, direction="forward") != plain

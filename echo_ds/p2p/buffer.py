@@ -476,6 +476,35 @@ class EchoBuffer:
                 self._events = eager_events
         return self._p2p_all_reduce(x, spec, compensator, pow2_rescale)
 
+    def plain_all_reduce(self, x: torch.Tensor, *, site: Optional[int] = None,
+                         direction: Optional[str] = None) -> torch.Tensor:
+        """The sum of ``x`` over the group without quantization: a new tensor of x's shape and dtype.
+
+        The 16-bit baseline of the benchmarks, through the same one-launch protocol (flags, epochs,
+        chunks, timeout, the descriptor check): the owner of each segment sums the P copies in fp32 in
+        rank order and rounds once to x's dtype (saturated to its largest finite value, nearest even), so
+        every rank returns the same bits. Not differentiable. Where the one-launch call cannot run (no
+        kernels, a CPU tensor, another device, an unsupported dtype) it is torch.distributed.all_reduce,
+        whose summation order is the backend's.
+        """
+        if not x.is_floating_point():
+            raise TypeError(f"plain_all_reduce expects a floating-point tensor, got {x.dtype}")
+        if self.closed:
+            raise proto.EchoP2PError("echo p2p: plain_all_reduce on a closed EchoBuffer")
+        if (self._runtime is None or x.device != self.device or x.numel() == 0
+                or str(x.dtype).replace("torch.", "") not in proto.DESCRIPTOR_DTYPES):
+            y = x.detach().clone()
+            dist.all_reduce(y, group=self.group)
+            return y
+        self.check()
+        x = x.detach().contiguous()
+        y = torch.empty_like(x)
+        descriptor = proto.plain_call_descriptor(numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), site=site,
+                                                 direction=direction)
+        self._num_calls += 1
+        self._runtime.plain_all_reduce(x, y, descriptor, _raw_stream(self.device))
+        return y
+
     # ------------------------------------------------------------------------------------------------
     # The one-launch call
     # ------------------------------------------------------------------------------------------------

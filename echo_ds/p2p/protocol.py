@@ -79,9 +79,25 @@ def call_descriptor(*, numel: int, dtype: str, bits: int, group_size: int, quant
             | (numel_hash(numel, site, direction) << 12))
 
 
+# A 16-bit (unquantized) call of the same kernel family (EchoBuffer.plain_all_reduce): dtype, the residual
+# field at 3, which no quantized call has, and the hash; the other fields 0.
+kPlainResidualCode = 3
+kPlainResidualName = "none: a 16-bit call, unquantized"
+
+
+def plain_call_descriptor(*, numel: int, dtype: str, site: Optional[int] = None,
+                          direction: Optional[str] = None) -> int:
+    """The 32-bit descriptor of a plain (unquantized) one-launch call."""
+    return (DESCRIPTOR_DTYPES.index(dtype) | (kPlainResidualCode << 10)
+            | (numel_hash(numel, site, direction) << 12))
+
+
 def decode_descriptor(d: int) -> dict:
     def pick(table, i):
         return table[i] if i < len(table) else f"?{i}"
+
+    if (d >> 10) & 3 == kPlainResidualCode:
+        return {"dtype": pick(DESCRIPTOR_DTYPES, d & 3), "compensator": kPlainResidualName, kHashField: d >> 12}
 
     return {"dtype": pick(DESCRIPTOR_DTYPES, d & 3), "bits": 8 if (d >> 2) & 1 else 4,
             "group_size": pick(DESCRIPTOR_GROUP_SIZES, (d >> 3) & 3), "quantizer": pick(DESCRIPTOR_QUANTIZERS, (d >> 5) & 3),
