@@ -328,10 +328,13 @@ def _sweep(buf, rank, P, dev, spec, args):
     from echo_ds.emulate import emulated_echo_all_reduce
     from tests.p2p_suite import all_same, digest, same_bits
 
-    if buf._runtime is not None:
-        stages = "one launch"
-    else:
-        stages = "staged kernels" if buf._ops is not None else "staged torch"
+    def path_of(x):  # the path EchoBuffer.all_reduce takes for x (its stages setting decides per size)
+        if buf._runtime is not None and buf._one_launch_serves(spec, x.dtype) and (
+                x.numel() * x.element_size() <= buf.one_launch_max_bytes or not buf._fits_staged(x, spec)):
+            return "one launch"
+        return "staged kernels" if buf._ops is not None else "staged torch"
+
+    stages = buf.stages
     rows = []
     size = args["min_bytes"]
     while size <= args["max_bytes"]:
@@ -351,7 +354,8 @@ def _sweep(buf, rank, P, dev, spec, args):
         del y
         oks = [None] * P
         dist.all_gather_object(oks, ok)
-        row = {"P": P, "bytes": size, "bits": spec.bits, "stages": stages, "ok": all(oks),
+        path = path_of(x)
+        row = {"P": P, "bytes": size, "bits": spec.bits, "stages": stages, "path": path, "ok": all(oks),
                "check": "emulator" if check else "ranks agree", "copy_s": _time_copy(x, args["iters"]),
                "memory": mem}
         for label in ("uncompensated", "compensated"):
@@ -365,7 +369,7 @@ def _sweep(buf, rank, P, dev, spec, args):
             secs, host = _time_calls(buf, x, spec, comp, pow2, args["warmup"], args["iters"])
             med, lo, hi = _median_spread(secs)
             row[label] = {"median_s": med, "min_s": lo, "max_s": hi, "host_median_s": statistics.median(host)}
-            if stages != "staged torch":
+            if path != "staged torch":
                 row[label]["model"] = _model(P, n, spec, "none" if comp is None else comp.residual, pow2, comp)
             if args["graph_reps"]:
                 g_med, g_lo, g_hi = _time_graph(buf, x, spec, comp, pow2, args["iters"], args["graph_reps"])
@@ -508,13 +512,14 @@ def print_sweep(P, res, report, cfg):
     for (stages, bits), rows in groups.items():
         print(f"\nEcho all-reduce, P = {P} ranks, bf16, {bits}-bit, g = {cfg['group_size']}, {cfg['quantizer']}, "
               f"rotation {cfg['rotation']}, "
-              f"compensated: the default forward direction (residual local); pow2_rescale={cfg['pow2']}; {stages}; "
+              f"compensated: the default forward direction (residual local); pow2_rescale={cfg['pow2']}; "
+              f"EchoBuffer(stages={stages!r}), path = the one the call took; "
               f"median of {cfg['iters']} (min..max); host = host time to issue one call; graph = per call of "
               f"{cfg['graph_reps']} back-to-back calls replayed from one CUDA graph; copy = a device copy of "
               f"the message")
-        print("| size | uncompensated eager | algbw | busbw | uncompensated host | compensated eager | "
+        print("| size | path | uncompensated eager | algbw | busbw | uncompensated host | compensated eager | "
               "compensated host | uncompensated graph | compensated graph | graph ratio | copy | correct |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
         for r in rows:
             u, c = r["uncompensated"], r["compensated"]
             algbw = r["bytes"] / u["median_s"] / 1e9
@@ -523,7 +528,7 @@ def print_sweep(P, res, report, cfg):
                      f"| {u['graph_median_s'] * 1e6:.1f} us | {c['graph_median_s'] * 1e6:.1f} us "
                      f"| {c['graph_median_s'] / u['graph_median_s']:.2f}x ")
             correct = ("yes" if r.get("check", "emulator") == "emulator" else "ranks agree") if r["ok"] else "NO"
-            print(f"| {_fmt_bytes(r['bytes'])} | {u['median_s'] * 1e6:.1f} us ({u['min_s'] * 1e6:.0f}.."
+            print(f"| {_fmt_bytes(r['bytes'])} | {r['path']} | {u['median_s'] * 1e6:.1f} us ({u['min_s'] * 1e6:.0f}.."
                   f"{u['max_s'] * 1e6:.0f}) | {algbw:.1f} GB/s | {busbw:.1f} GB/s | {u['host_median_s'] * 1e6:.0f} us "
                   f"| {c['median_s'] * 1e6:.1f} us | {c['host_median_s'] * 1e6:.0f} us {graph}"
                   f"| {r['copy_s'] * 1e6:.1f} us | {correct} |")
@@ -613,8 +618,8 @@ def print_sweep(P, res, report, cfg):
             n = r["bytes"] // 2
             bits = r.get("bits", 4)
             staged = {"staged kernels": BM.staged_schedule_bytes(n, P, bits, cfg["group_size"]),
-                      "one launch": 0}.get(r["stages"])  # the staged pipeline through torch: not modelled
-            print(f"| {_fmt_bytes(r['bytes'])} | {r['stages']} | {bits} | {_gib(m['y_bytes'])} | "
+                      "one launch": 0}.get(r["path"])  # the staged pipeline through torch: not modelled
+            print(f"| {_fmt_bytes(r['bytes'])} | {r['path']} | {bits} | {_gib(m['y_bytes'])} | "
                   f"{_gib(m['held_bytes'])} | {_gib(m['peak_extra_bytes'])} | {_gib(c.get('held_bytes'))} | "
                   f"{_gib(c.get('peak_extra_bytes'))} | {_gib(m.get('state_bytes'))} | "
                   f"{_gib(BM.state_bytes(n, P, cfg['group_size']))} | {_gib(staged)} |")

@@ -147,7 +147,7 @@ def test_bench_p2p_floor_columns(capsys):
 
     P, size = 2, 64 << 20
     spec = QuantSpec(4, 128, "zero_aware", rotation=True)
-    row = {"P": P, "bytes": size, "bits": 4, "stages": "one launch", "ok": True, "check": "emulator", "copy_s": 5e-5,
+    row = {"P": P, "bytes": size, "bits": 4, "stages": "fused", "path": "one launch", "ok": True, "check": "emulator", "copy_s": 5e-5,
            "memory": {"y_bytes": size, "held_bytes": 0, "peak_extra_bytes": 0}}
     times = {"uncompensated": 200e-6, "compensated": 400e-6}
     for label, residual in (("uncompensated", "none"), ("compensated", "local")):
