@@ -103,6 +103,27 @@ def test_disabled_enable_returns_before_looking_at_the_engine(monkeypatch, log):
         enable(object(), {"echo": {"bits": 4}})
 
 
+def test_initialize_reads_the_switches_before_it_builds_the_engine(monkeypatch, log):
+    from echo_ds.deepspeed import api
+
+    built = []
+
+    def fake_initialize(*args, **kwargs):
+        built.append(kwargs)
+        return object(), None, None, None  # not an engine: only the disabled path may accept it
+
+    monkeypatch.setattr(api.deepspeed, "initialize", fake_initialize)
+    monkeypatch.setenv("ECHO_DS_BACKEND", "nccl")
+    with pytest.raises(ValueError, match="ECHO_DS_BACKEND='nccl'"):
+        api.initialize(model=None, config={"echo": {"bits": 4}})
+    assert built == []  # refused before DeepSpeed built anything
+    monkeypatch.delenv("ECHO_DS_BACKEND")
+    monkeypatch.setenv("ECHO_DS_DISABLE", "1")
+    result = api.initialize(model=None, config={"echo": {"bits": 4}})
+    assert len(built) == 1 and result[1:] == (None, None, None)
+    assert [level for level, _ in log.records] == ["warning"]
+
+
 # ----------------------------------------------------------------------------------------------------
 # On DeepSpeed's AutoTP layers, 2 gloo ranks
 # ----------------------------------------------------------------------------------------------------

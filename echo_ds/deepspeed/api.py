@@ -6,8 +6,8 @@ A user adds an ``"echo"`` section to ds_config.json and changes one line::
 
 ``enable(engine)`` does the same for an engine built elsewhere. The training loop does not change.
 
-Two environment variables, read by ``enable`` (so once per ``initialize`` / ``init_inference``) and
-logged once, override the config without editing it: ``ECHO_DS_DISABLE=1`` leaves every all-reduce to
+Two environment variables, read once per ``initialize`` / ``init_inference`` / ``enable`` (before the
+engine is built) and logged once, override the config without editing it: ``ECHO_DS_DISABLE=1`` leaves every all-reduce to
 DeepSpeed (``initialize`` is then ``deepspeed.initialize``), and ``ECHO_DS_BACKEND=reference`` (or
 ``auto``, ``p2p``) replaces the section's ``"backend"``.
 """
@@ -40,8 +40,9 @@ def initialize(*args, **kwargs):
     ignores); without that section, or with ``"enabled": false``, this is ``deepspeed.initialize``.
     The runtime is reachable as ``echo_ds.deepspeed.get_runtime(engine)``.
     """
+    switches = policy.environment_switches(os.environ)  # read once; a bad value fails before the engine is built
     result = deepspeed.initialize(*args, **kwargs)
-    enable(result[0])
+    _enable(result[0], None, switches)
     return result
 
 
@@ -64,6 +65,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
     else:
         raise ValueError(f"echo_ds.init_inference: 'config' must be a dict or a path to a JSON file, "
                          f"got {type(config).__name__}")
+    switches = policy.environment_switches(os.environ)  # read once; a bad value fails before the engine is built
     echo_section = config_dict.pop("echo", None)
     if "echo" in kwargs:
         kw_section = kwargs.pop("echo")
@@ -73,7 +75,7 @@ def init_inference(model: torch.nn.Module, config=None, **kwargs):
         echo_section = kw_section
     engine = deepspeed.init_inference(model, config=config_dict, **kwargs)
     if echo_section is not None:
-        enable(engine, {"echo": echo_section})
+        _enable(engine, {"echo": echo_section}, switches)
     else:
         log_once("info", "echo: the inference config has no \"echo\" section; DeepSpeed's all-reduces are used")
     return engine
@@ -140,9 +142,20 @@ def enable(engine, config=None, *, quantize_lm_head: Optional[bool] = None, tele
 
     Returns the ``EchoRuntime`` (also ``get_runtime(engine)``), or None when Echo is not enabled (no
     ``"echo"`` section, ``"enabled": false``, ``ECHO_DS_DISABLE=1`` in the environment, or no
-    tensor-parallel layer in the model). ``ECHO_DS_BACKEND`` overrides the config's ``"backend"``; both
-    variables are read here, once per call, and what they change is logged once.
+    tensor-parallel layer in the model). ``ECHO_DS_BACKEND`` overrides the config's ``"backend"``. Both
+    variables are read once per call (``initialize`` and ``init_inference`` read them before they build
+    the engine), and what they change is logged once.
     """
+    return _enable(engine, config, policy.environment_switches(os.environ), quantize_lm_head=quantize_lm_head,
+                   telemetry=telemetry, coalesce=coalesce, site_check_interval=site_check_interval,
+                   recompute_cache=recompute_cache)
+
+
+def _enable(engine, config, switches: "policy.EnvironmentSwitches", *, quantize_lm_head: Optional[bool] = None,
+            telemetry: Optional[bool] = None, coalesce: bool = True, site_check_interval: int = 1,
+            recompute_cache: Optional[bool] = None) -> Optional[EchoRuntime]:
+    """``enable`` with the environment switches already read (``initialize`` reads them before it builds
+    the engine, so that a bad value fails first)."""
     from echo_ds.config import check_count, check_flag
 
     for name, value in (("quantize_lm_head", quantize_lm_head), ("telemetry", telemetry),
@@ -150,7 +163,6 @@ def enable(engine, config=None, *, quantize_lm_head: Optional[bool] = None, tele
         check_flag("echo_ds.enable", name, value, optional=True)
     check_flag("echo_ds.enable", "coalesce", coalesce)
     check_count("echo_ds.enable", "site_check_interval", site_check_interval)
-    switches = policy.environment_switches(os.environ)  # the environment, read once per engine
     if switches.disabled:
         log_once(*policy.environment_message(switches, None))
         return None
