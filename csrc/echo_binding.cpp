@@ -303,9 +303,10 @@ void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor&
 }
 
 // The one-launch p2p all-reduce of a group (p2p_all_reduce.cu): every rank's workspace as this process
-// maps it, this rank's control block, the error record; one all_reduce call is one binding call and at
-// most two launches (the pow2 max pass, then the call). EchoBuffer (echo_ds/p2p/buffer.py) does the
-// handshake and owns the memory the addresses point to; this object owns only its control block.
+// maps it, this rank's control block, the error record; one all_reduce call is one binding call and one
+// launch (the pow2 max is taken inside it), one launch per chunk where the message is larger than the
+// workspace. EchoBuffer (echo_ds/p2p/buffer.py) does the handshake and owns the memory the addresses point
+// to; this object owns only its control block.
 class P2PRuntime {
  public:
   P2PRuntime(int64_t rank, int64_t world_size, const std::vector<int64_t>& codes, const std::vector<int64_t>& params,
