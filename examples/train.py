@@ -43,7 +43,6 @@ import sys
 
 import deepspeed
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
@@ -52,6 +51,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)  # run from a checkout without installing
 
 import echo_ds.deepspeed as echo  # noqa: E402
+from echo_ds.deepspeed.teardown import shutdown  # noqa: E402
 
 DEFAULT_DATA = os.path.join(REPO, "examples", "data", "shakespeare_sample.txt")
 
@@ -177,18 +177,11 @@ def main():
         counters = {"forward_calls": 0, "backward_calls": 0, "bytes_sent": 0, "bytes_16bit": 0}
     if rank == 0:
         print(json.dumps({"final_loss": final_loss, "steps": args.steps, "tp": tp, "echo": counters}), flush=True)
-    # An orderly teardown: a process group left to the interpreter's exit can abort in its threads.
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # Even after the orderly teardown, about one run in ten to thirty on the CPU machines (torch 2.13,
-    # gloo, DeepSpeed's CPU accelerator) aborted in the interpreter's own teardown ("terminate called
-    # without an active exception", a rank's exit status -6) after every result was printed. Nothing is
-    # left to do, so the process ends here, without the teardown of the C++ libraries' static state.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # The engine is gone with main()'s frame; end every process group and its C++ threads now, while the
+    # interpreter runs (a gloo group that DeepSpeed still references otherwise stops its threads inside
+    # the interpreter's own teardown, which aborted about one run in ten to thirty: docs/errors.md).
+    shutdown()

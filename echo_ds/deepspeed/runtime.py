@@ -231,6 +231,18 @@ class EchoRuntime:
         self._passes_since_check = 0
         self._last_logged_step = None
 
+    def close(self) -> None:
+        """Release the group's resources: the p2p buffer (a collective: every rank of the group together)
+        and the references to the process group, so that it can be destroyed (echo_ds.deepspeed.teardown).
+        Calls through this runtime fail afterwards."""
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+        self.group = None
+        for site in self.sites:
+            site.group = None
+            site.cache.clear()
+
     # ------------------------------------------------------------------------------------------------
     # Sites
     # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""An orderly end of a DeepSpeed run: every process group and its C++ threads gone before the interpreter's
+own teardown.
+
+Why (issue 35; docs/errors.md, "teardown abort"): ``torch.distributed.destroy_process_group()`` forgets the
+process groups, but a gloo group's C++ object, with its worker threads (``pt_gloo_runloop``), its
+transport loops (``gloo_tcp_loop``) and, through its store, the TCP store's server thread on rank 0
+(``pt_tcpstore_uv``), lives on as long as anything in Python still references it, and DeepSpeed's module
+globals do (``deepspeed.utils.groups._TENSOR_MODEL_PARALLEL_GROUP``, ``_DATA_PARALLEL_GROUP``, ...). Those
+threads are then stopped, if at all, in the middle of the interpreter's finalization; a C++ thread that
+must take the GIL there is ended by the interpreter (``pthread_exit``), and its unwinding through a
+``noexcept`` frame calls ``std::terminate``: "terminate called without an active exception", exit -6,
+after every result was printed.
+
+:func:`shutdown` ends them while the interpreter still runs: Echo's runtimes are closed, every rank
+passes a barrier (no collective is in flight), the process groups are destroyed, DeepSpeed's module-level
+references to them are dropped, and the garbage collector runs, so that each group's destructor joins
+its threads now. It returns the names of the C++ communication threads still alive afterwards (none
+expected) and warns once naming them.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from typing import List
+
+import torch.distributed as dist
+
+from echo_ds.log import log_once
+
+# Thread names (Linux, /proc/self/task/*/comm) of the C++ threads of torch's gloo groups and TCP store.
+COMM_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv", "pt_tcpstore")
+
+
+def comm_threads() -> List[str]:
+    """Names of this process's live C++ communication threads (torch's gloo and TCP store threads); []
+    where /proc is not readable."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if name.startswith(COMM_THREADS):
+            names.append(name)
+    return sorted(names)
+
+
+def _drop_deepspeed_group_references() -> int:
+    """Set DeepSpeed's module-level process groups (and the device mesh built from them) to None and empty
+    its dicts of groups; returns how many references were dropped. DeepSpeed re-creates them if it is
+    initialised again."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # older torch
+        DeviceMesh = ()
+    dropped = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "deepspeed" or name.startswith("deepspeed.")):
+            continue
+        for key, value in list(vars(module).items()):
+            if isinstance(value, ProcessGroup) or (DeviceMesh and isinstance(value, DeviceMesh)):
+                setattr(module, key, None)
+                dropped += 1
+            elif isinstance(value, dict) and any(isinstance(v, ProcessGroup) for v in value.values()):
+                value.clear()
+                dropped += 1
+    return dropped
+
+
+def shutdown(*runtimes) -> List[str]:
+    """End the run's communication in order (see the module docstring); call it after the last collective,
+    on every rank, once the engine is no longer referenced (e.g. after ``main()`` returned).
+
+    runtimes: EchoRuntime objects still referenced (their p2p buffers are closed and their groups dropped).
+    Returns the names of communication threads still alive afterwards ([] when all were joined).
+    """
+    for rt in runtimes:
+        if rt is not None:
+            rt.close()
+    if dist.is_initialized():
+        dist.barrier()  # no collective of any group is in flight on any rank past this point
+        dist.destroy_process_group()
+    _drop_deepspeed_group_references()
+    gc.collect()  # each group's destructor: its work queue drained, its threads joined, its store closed
+    left = comm_threads()
+    if left:
+        log_once("warning",
+                 f"echo_ds.deepspeed.teardown.shutdown: communication threads still alive after the teardown "
+                 f"({', '.join(left)}): something outside DeepSpeed still references a process group; the "
+                 f"interpreter's exit may abort in them (docs/errors.md)", rank=0)
+    return left
