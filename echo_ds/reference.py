@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from echo_ds import algorithm as A
+from echo_ds import collective
 from echo_ds import quant as Q
 from echo_ds.compensator import Compensator
 from echo_ds.p2p import protocol as _p2p_protocol
@@ -309,6 +310,9 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
     timeout_s: the longest wait of one stage, seconds (default: see ``default_timeout``; inf: unbounded).
 
     All ranks return bit-identical tensors. Non-finite inputs propagate as NaN over their groups.
+    The call goes through the custom op ``torch.ops.echo_ds.all_reduce`` (echo_ds.collective), which runs
+    the backend registered for the group, else the reference below; ``torch.compile(fullgraph=True)``
+    traces it as one node.
     Raises EchoCallMismatch (on every rank) when the ranks' calls disagree, EchoTimeout / EchoPeerError
     when a peer does not answer in time or dies.
     """
@@ -320,13 +324,24 @@ def echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proce
         raise ValueError(f"echo_all_reduce: direction={direction!r} must be None or one of {DIRECTIONS}")
     if site is not None and (isinstance(site, bool) or not isinstance(site, int) or site < 0):
         raise ValueError(f"echo_all_reduce: site={site!r} must be None or an int >= 0")
+    if timeout_s is not None and not timeout_s > 0:  # also refuses NaN
+        raise ValueError(f"echo_all_reduce: timeout_s={timeout_s!r} must be > 0")
+    if dist.get_world_size(group) == 1:
+        return x.clone()
+    return collective.all_reduce(x, spec, group, compensator, pow2_rescale, direction=direction, site=site,
+                                 timeout_s=None if timeout_s is None else float(timeout_s))
+
+
+def _echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.ProcessGroup],
+                     compensator: Optional[Compensator], pow2_rescale, *, direction: Optional[str],
+                     site: Optional[int], timeout_s: Optional[float]) -> torch.Tensor:
+    """The reference behind ``torch.ops.echo_ds.all_reduce`` (echo_ds.collective), run eagerly by the
+    op: echo_all_reduce's arguments, checked, on a group of more than one rank."""
     if timeout_s is None:
         timeout_s = default_timeout()
-    if not timeout_s > 0:  # also refuses NaN
-        raise ValueError(f"echo_all_reduce: timeout_s={timeout_s!r} must be > 0")
+        if not timeout_s > 0:
+            raise ValueError(f"echo_all_reduce: {kTimeoutEnv}={timeout_s!r} must be > 0")
     world_size = dist.get_world_size(group)
-    if world_size == 1:
-        return x.clone()
     rank = dist.get_rank(group)
     call = _Call(rank, world_size, _next_call(group), site, direction, float(timeout_s))
 

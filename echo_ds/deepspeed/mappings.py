@@ -1,7 +1,9 @@
 """Tensor-parallel communication through Echo, in Megatron's three tiers.
 
 1. Private primitive: ``_echo_reduce(x, site)`` all-reduces through the site's runtime into a tensor of
-   its own (a copy of ``x`` when the group has one rank).
+   its own (a copy of ``x`` when the group has one rank), as one custom op,
+   ``torch.ops.echo_ds.site_all_reduce``: ``torch.compile(fullgraph=True)`` traces it as one node, and the
+   runtime's bookkeeping runs at every call (docs/deepspeed.md, "torch.compile").
 2. Small ``torch.autograd.Function``s whose forward and backward are one line each (the overlapped
    column-parallel linear, which mirrors DeepSpeed's ``AsyncColumnParallel``, is the one exception: its
    backward computes the three gradients of a linear layer).
@@ -15,6 +17,8 @@ holds the compensator states and counters.
 from __future__ import annotations
 
 import torch
+
+from echo_ds import collective
 
 from .runtime import Site
 
@@ -32,8 +36,35 @@ def _echo_reduce(x: torch.Tensor, site: Site) -> torch.Tensor:
     reference path's result is a view of its padded segments whenever no dtype conversion copies it, i.e. in
     fp32; a backend's result may be a view of its workspace. Those are copied here, once.
     """
-    y = x if site.world_size == 1 else site.runtime.reduce(x, site)
-    return _own(y, x)
+    if site.world_size == 1:
+        return _own(x, x)
+    return torch.ops.echo_ds.site_all_reduce(x, collective.handle(site.runtime), site.site_id, x.requires_grad)
+
+
+@torch.library.custom_op("echo_ds::site_all_reduce", mutates_args=())
+def _site_all_reduce(x: torch.Tensor, runtime: int, site: int, requires_grad: bool) -> torch.Tensor:
+    """``runtime.reduce(x, runtime.sites[site])`` as one op (``runtime``: a handle, echo_ds.collective).
+
+    The runtime's bookkeeping (which pass, which bit width and state, the counters, the recompute cache)
+    runs here, eagerly, at every call; traced by torch.compile it would run once, at trace time. Under
+    no_grad, as in the autograd Functions' forward and backward that call it; ``requires_grad`` is the
+    caller's ``x.requires_grad`` (the runtime's recompute policy reads it), which a compiled graph's
+    tensors do not carry.
+    """
+    rt = collective.resolve(runtime)
+    if x.requires_grad != requires_grad:
+        x = x.detach().requires_grad_(requires_grad)
+    with torch.no_grad():
+        return _own(rt.reduce(x, rt.sites[site]), x)
+
+
+@_site_all_reduce.register_fake
+def _(x, runtime, site, requires_grad):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+# Kept in program order by torch.compile, never merged or dropped (see collective.ordered).
+collective.ordered(torch.ops.echo_ds.site_all_reduce.default)
 
 
 def _own(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
