@@ -170,7 +170,8 @@ def _mlp(group):
             def lin(cls, i, o, n):
                 return cls(torch.nn.Linear(i, o, bias=False), mp_group=group, name=f"{name}.{n}")
 
-            self.gate, self.up = lin(LinearLayer, HIDDEN, 2 * HIDDEN, "gate"), lin(LinearLayer, HIDDEN, 2 * HIDDEN, "up")
+            self.gate = lin(LinearLayer, HIDDEN, 2 * HIDDEN, "gate")
+            self.up = lin(LinearLayer, HIDDEN, 2 * HIDDEN, "up")
             self.down = lin(LinearAllreduce, 2 * HIDDEN, HIDDEN, "down")
 
         def forward(self, x):
@@ -214,7 +215,43 @@ def _deepspeed_case(rank, world_size, shm_port):
         dp_calls.append(echo_all_reduce(part, SPEC, group=dp, compensator=dp_state, pow2_rescale=MODES["dp"]))
         net.zero_grad(set_to_none=True)
     rt.check_site_order()
-    return {"tp": ti, "visits": visits, "dp": (di, dp_calls), "stats": rt.stats.summary()}
+    out = {"tp": ti, "visits": visits, "dp": (di, dp_calls), "stats": rt.stats.summary()}
+
+    # Exact calls at Echo sites (every message below min_message_bytes) carry their own check: one rank of
+    # each tensor-parallel group runs the two blocks in the other order (same message sizes, so nothing else
+    # would notice). The outputs are NaN, not a mix of two sites, and the next pass start raises.
+    net = _mlp(tp)
+    echo.enable(net, EchoConfig(bits=4, backend="reference", min_message_bytes=2**40))
+    order = list(net) if dist.get_rank(tp) == 0 else list(net)[::-1]
+    x = torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        first = _run_in_order(net, order, x)
+        out["swapped_finite"] = bool(torch.isfinite(first).all())
+        try:
+            _run_in_order(net, order, x)
+            out["swapped_error"] = None
+        except RuntimeError as e:
+            out["swapped_error"] = str(e)
+        net2 = _mlp(tp)  # the same, in one order on both ranks: finite, no error
+        echo.enable(net2, EchoConfig(bits=4, backend="reference", min_message_bytes=2**40))
+        out["agreed_finite"] = all(bool(torch.isfinite(net2(x)).all()) for _ in range(2))
+    return out
+
+
+def _run_in_order(net, order, x):
+    """net's forward with its blocks in ``order`` (the root module is still ``net``, so a pass starts)."""
+    saved = net.forward
+    try:
+        net.forward = lambda x: _chain(order, x)
+        return net(x)
+    finally:
+        net.forward = saved
+
+
+def _chain(blocks, x):
+    for block in blocks:
+        x = block(x)
+    return x
 
 
 def _emulate_visits(visits_a, visits_b, config):
@@ -251,3 +288,13 @@ def test_deepspeed_mode_dp2_tp2_bit_identical_per_group(results):
         for r in members:
             di, calls = results[r]["dp"]
             assert di == index and all(torch.equal(y, e) for y, e in zip(calls, expected)), (r, index)
+
+
+def test_exact_calls_at_different_sites_are_refused_not_mixed(results):
+    for r in (res[1] for res in results):
+        assert r["swapped_finite"] is False
+        msg = r["swapped_error"]
+        assert msg is not None and "were refused" in msg and "different Echo sites" in msg, msg
+        assert "rank 0 visited 0.down" in msg and "rank 1 visited 1.down" in msg, msg
+        assert r["agreed_finite"] is True
+

@@ -9,7 +9,7 @@ One ``EchoRuntime`` serves one tensor-parallel group of one model. It owns
   different coordinates and magnitudes, so one pair fed by both would match neither). Each is reset at
   the start of its pass: a forward pass starts when the root module's forward is called, a backward
   pass at the first backward site reached after a forward pass started;
-* the site-order check (see ``check_site_order``);
+* the site-order checks (``_gated`` on the step's path, ``check_site_order`` on demand);
 * the counters (``EchoStats``) and the optional telemetry.
 
 The decisions (which backend, compressed or not, whether to keep outputs for a recompute) are the pure
@@ -18,6 +18,7 @@ functions of ``policy.py``; this module only carries them out.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -155,7 +156,9 @@ class EchoRuntime:
     telemetry: record the error every compressed call reveals, per site (costs one
         extra exact all-reduce per call; for diagnosis, not for production runs).
     coalesce: make column-parallel layers that consume the same input share one backward all-reduce.
-    site_check_interval: compare the site order across ranks every this many forward passes (0: never).
+    site_check_interval: every this many forward passes, read the count of refused exact calls (below)
+        without waiting for the device, and raise if any (0: never). The full site-order comparison
+        (``check_site_order``, one all-reduce and a host copy) runs only when called.
     recompute_cache: force (True/False) or leave to policy (None) keeping forward outputs for replay.
     monitor: a DeepSpeed ``MonitorMaster`` (TensorBoard/CSV/W&B) to write counters to, or None.
     log_interval: log counters every this many optimizer steps, as read from ``step_fn`` (0: never).
@@ -229,6 +232,12 @@ class EchoRuntime:
         self._num_traced = 0
         self._trace: List[Tuple[str, int, int, int]] = []
         self._passes_since_check = 0
+        # Calls without a call descriptor carry a code of their site (see _gated): the codes per
+        # (site, kind, numel, dtype, bits), built once on the device, and the device-side count of refusals,
+        # read at a pass start through a pinned copy (CUDA) that the next read picks up when it is done.
+        self._plain_codes: Dict[tuple, torch.Tensor] = {}
+        self._plain_refused: Optional[torch.Tensor] = None
+        self._refused_read = None  # (pinned copy, event) of the last read still in flight
         self._last_logged_step = None
 
     def close(self) -> None:
@@ -269,7 +278,8 @@ class EchoRuntime:
         if self.site_check_interval > 0:
             self._passes_since_check += 1
             if self._passes_since_check >= self.site_check_interval:
-                self.check_site_order()
+                self._passes_since_check = 0
+                self._poll_refused()
         self._training_pass = training and torch.is_grad_enabled()
         if self._training_pass:
             # Outputs kept for the previous pass's recompute are no longer needed. An eval pass in
@@ -354,7 +364,7 @@ class EchoRuntime:
             if self.telemetry:
                 self._measure(x, y, site, compensator)
         else:
-            y = plain_all_reduce(x, site.group)
+            y = self._plain_checked(x, site)
             if site.direction == FORWARD:
                 self.stats.forward_plain_calls += 1
             else:
@@ -374,6 +384,8 @@ class EchoRuntime:
         # inference) is "eval", so a rank evaluating while its peer trains is stopped at the first call.
         kind = site.direction if site.direction == BACKWARD or self._training_pass else "eval"
         if self.buffer is not None:
+            if self._p2p_staged(x):  # no descriptor in the staged pipeline's flags: the site's code instead
+                x = self._gated(x, site, kind, bits)
             # Asynchronous on the current stream: every read of x is ordered before later work on it.
             return self.buffer.all_reduce(x, self._spec(bits), compensator=compensator, pow2_rescale=pow2,
                                           site=site.site_id, direction=kind)
@@ -397,6 +409,77 @@ class EchoRuntime:
             if not hints:
                 raise
             raise EchoCallMismatch(f"{e} " + " ".join(hints), e.fields, e.call) from None
+
+    def _plain_checked(self, x: torch.Tensor, site: Site) -> torch.Tensor:
+        """The exact all-reduce of an Echo site, refused on device when the ranks are not at the same call
+        (``_gated``)."""
+        if self.world_size == 1:
+            return plain_all_reduce(x, site.group)
+        kind = site.direction if site.direction == BACKWARD or self._training_pass else "eval"
+        return plain_all_reduce(self._gated(x, site, kind, 16), site.group)
+
+    def _p2p_staged(self, x: torch.Tensor) -> bool:
+        """Whether the p2p buffer may run this call through its staged pipeline, whose flags carry no call
+        descriptor (the one-launch call's do): no one-launch runtime, or a message above its size limit.
+        Conservative: a call that then takes the one launch is checked twice."""
+        return (getattr(self.buffer, "_runtime", None) is None
+                or x.numel() * x.element_size() > self.buffer.one_launch_max_bytes)
+
+    def _gated(self, x: torch.Tensor, site: Site, kind: str, bits: int) -> torch.Tensor:
+        """``x``, or NaN in its place on every rank where the ranks are not at the same call.
+
+        Compressed calls carry the call descriptor (reference: all-gathered before data moves; p2p's one
+        launch: in its flags). The others (exact calls, the p2p staged pipeline) carry a 62-bit code of
+        (site, kind, numel, dtype, bits), built once per site on the device: one MAX all-reduce of
+        [code, -code] (int64) before the data; where the ranks' codes differ (max != min), every rank
+        replaces its contribution by NaN, so no value of another site is combined into a finite result,
+        and adds one to a device counter that ``begin_forward_pass`` reads without waiting
+        (``_poll_refused``). No host synchronisation on the call's path, and nothing that changes from
+        pass to pass (a CUDA graph can capture it).
+        """
+        key = (site.site_id, kind, x.numel(), str(x.dtype), bits)
+        code = self._plain_codes.get(key)
+        if code is None:
+            value = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 2
+            code = self._plain_codes[key] = torch.tensor([value, -value], dtype=torch.int64, device=x.device)
+        t = code.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=site.group)
+        agree = t[0] == -t[1]
+        if self._plain_refused is None:
+            self._plain_refused = torch.zeros((), dtype=torch.int64, device=x.device)
+        self._plain_refused += (~agree).to(torch.int64)
+        return torch.where(agree, x, torch.full_like(x, float("nan")))
+
+    def _poll_refused(self) -> None:
+        """Raise when a call was refused (``_gated``): on the CPU at once; on a GPU from a
+        non-blocking copy to pinned memory, read once its event has completed (a later pass)."""
+        count = self._plain_refused
+        if count is None:
+            return
+        if count.device.type == "cpu":
+            refused = int(count)
+        else:
+            refused = 0
+            if self._refused_read is not None and self._refused_read[1].query():
+                refused = int(self._refused_read[0])
+                self._refused_read = None
+            if self._refused_read is None:
+                host = torch.empty((), dtype=torch.int64, pin_memory=True)
+                host.copy_(count, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._refused_read = (host, event)
+        if refused:
+            self._plain_refused.zero_()
+            cause = (f"{refused} exact or staged all-reduce(s) at Echo sites were refused: the ranks were at "
+                     f"different sites, directions or message sizes (their outputs are NaN; no values of different "
+                     f"sites were combined)")
+            if count.device.type == "cpu":  # every rank reads the same count at the same pass: compare traces
+                self._raise_site_mismatch(cause)
+            # A GPU rank reads it when its copy is done, not with its peers: no collective here.
+            raise RuntimeError(f"echo: tensor-parallel ranks visited different Echo sites: {cause}. Every rank of a "
+                               f"tensor-parallel group must run the same layers in the same order with the same "
+                               f"shapes; runtime.check_site_order() on every rank names the first difference.")
 
     def _replay(self, x: torch.Tensor, site: Site) -> torch.Tensor:
         """A forward site reached again inside backward: an activation-checkpointing recompute.
@@ -455,12 +538,14 @@ class EchoRuntime:
         and bit widths, since the last check. Raises RuntimeError naming the first difference.
 
         Design: each rank folds every visit (direction, site id, numel, bits) into a running polynomial
-        digest. ``begin_forward_pass`` compares the digests (and the visit counts) every
-        ``site_check_interval`` forward passes with one MAX all-reduce of four float64 scalars
-        ``[d, -d, n, -n]``: all ranks agree iff max(d) == -max(-d), i.e. max == min. That is one tiny
-        collective per pass instead of one per site, so a divergence is caught at the start of the next
-        pass (before its first site), with at most one pass of mixed values behind it. Only on a mismatch
-        are the traces all-gathered, to say where the ranks parted.
+        digest; this compares the digests (and the visit counts) with one MAX all-reduce of four float64
+        scalars ``[d, -d, n, -n]``: all ranks agree iff max(d) == -max(-d), i.e. max == min. Only on a
+        mismatch are the traces all-gathered, to say where the ranks parted. It waits for the device (a host
+        copy), so it runs only when called (examples/train.py: once, at the end). On the step's path every
+        call carries its own check instead, before data moves: compressed calls the call descriptor
+        (reference: all-gathered; p2p's one launch: in its flags), exact calls and the p2p staged pipeline
+        a code of their site (``_gated``), refused on device; ``begin_forward_pass`` reads the refusals
+        without waiting (``_poll_refused``).
         """
         self._passes_since_check = 0
         if self.world_size == 1:
@@ -476,7 +561,7 @@ class EchoRuntime:
         self._num_traced = 0
         self._trace = []
 
-    def _raise_site_mismatch(self) -> None:
+    def _raise_site_mismatch(self, cause: Optional[str] = None) -> None:
         traces = [None] * self.world_size
         dist.all_gather_object(traces, (self._num_traced, self._trace), group=self.group)
         names = {s.site_id: s.name for s in self.sites}
@@ -500,6 +585,7 @@ class EchoRuntime:
                 break
         raise RuntimeError(
             f"echo: tensor-parallel ranks visited different Echo sites ({detail}; calls per rank: {counts}). "
+            + (f"{cause}. " if cause else "") +
             f"Every rank of a tensor-parallel group must run the same layers in the same order with the "
             f"same shapes; check for rank-dependent control flow, different batch shapes across ranks, or "
             f"layers skipped on some ranks.")
