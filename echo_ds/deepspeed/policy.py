@@ -98,17 +98,14 @@ def p2p_transport_status(device_type: str, world_size: int, kernels_error: Optio
     back with one warning where they fail. state_dtypes: ``{direction: echo.<direction>.state_dtype}`` of
     the directions that compensate; the kernels hold only ``SUPPORTED_STATE_DTYPES``.
     """
-    from echo_ds.ops.kernels import SUPPORTED_STATE_DTYPES
     from echo_ds.p2p.policy import p2p_transport_status as group_status
+    from echo_ds.p2p.policy import state_dtype_decision
 
     available, why_not = group_status(device_type, world_size, same_host=same_host, peer_access=peer_access,
                                       kernels_built=kernels_error is None, kernels_error=kernels_error or "")
-    narrow = {d: s for d, s in (state_dtypes or {}).items() if s not in SUPPORTED_STATE_DTYPES}
-    if available and narrow:
-        shown = ", ".join(f'echo.{d}.state_dtype="{s}"' for d, s in narrow.items())
-        return False, (f"the p2p kernels hold the compensator state as {'/'.join(SUPPORTED_STATE_DTYPES)} only and "
-                       f"this config has {shown}, which runs on the reference path (set \"state_dtype\": \"bf16\" "
-                       f"in that direction's section of \"echo\" to use the p2p transport)")
+    if available:
+        d = state_dtype_decision(state_dtypes or {})
+        available, why_not = d.use, d.reason
     return available, why_not
 
 

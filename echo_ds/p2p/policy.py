@@ -9,11 +9,11 @@ all-reduce keeps its ``should_custom_ar`` apart from the kernels in the same way
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
-from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES, SUPPORTED_DTYPES
+from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES, SUPPORTED_DTYPES, SUPPORTED_STATE_DTYPES
 from echo_ds.p2p.layout import Capacity, kMaxWorld, make_tiling
 
 _FIX_BACKEND = 'set "backend": "reference" in the "echo" section of ds_config.json to use the reference path'
@@ -83,9 +83,21 @@ def group_decision(f: GroupFacts) -> Decision:
     return YES
 
 
+def state_dtype_decision(state_dtypes: Mapping[str, str]) -> Decision:
+    """Whether the kernels hold the compensator states of ``state_dtypes`` ({direction: state_dtype} of
+    the compensating directions; "<direction>" where the caller does not know it)."""
+    narrow = {d: s for d, s in state_dtypes.items() if s not in SUPPORTED_STATE_DTYPES}
+    if not narrow:
+        return YES
+    shown = ", ".join(f'echo.{d}.state_dtype="{s}"' for d, s in narrow.items())
+    return Decision(False, f"the p2p kernels hold the compensator state as {'/'.join(SUPPORTED_STATE_DTYPES)} only "
+                           f"and this config has {shown}, which runs on the reference path (set \"state_dtype\": "
+                           f"\"bf16\" in that direction's section of \"echo\" to use the p2p transport)")
+
+
 def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_size: int, bits: int,
                   group_size: int, capacity: Capacity, min_message_bytes: int = 0, telemetry: bool = False,
-                  device_matches: bool = True, chunked: bool = False) -> Decision:
+                  device_matches: bool = True, chunked: bool = False, state_dtype: str = "bf16") -> Decision:
     """Whether one call goes through the p2p transport, given that its group can use it.
 
     min_message_bytes: the ``"min_message_bytes"`` setting; smaller messages are the caller's business
@@ -93,12 +105,15 @@ def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_si
     chunked: the one-launch call serves the call; a message larger than its workspace runs chunk by chunk
         (one launch each, from one binding call), so a message of any size fits (the staged pipeline needs
         the whole message to fit).
+    state_dtype: the compensator's ``state_dtype`` ("bf16" without one).
     """
     if not device_matches:
         return Decision(False, "the tensor is not on this EchoBuffer's CUDA device (create one EchoBuffer per "
                                "device and pass tensors of that device)")
     if dtype not in SUPPORTED_DTYPES:
         return Decision(False, f"dtype {dtype} is not one of {SUPPORTED_DTYPES}")
+    if state_dtype not in SUPPORTED_STATE_DTYPES:
+        return state_dtype_decision({"<direction>": state_dtype})
     if world_size > kMaxWorld:
         return Decision(False, f"world size {world_size} > {kMaxWorld}")
     if telemetry:
