@@ -269,6 +269,31 @@ def check_chunked(rank, P, device, cfg):
     return num
 
 
+def check_narrow_state(buf, rank, P, device, n=4097):
+    """A compensator whose state the kernels do not hold (state_dtype "int4", "int8") takes the reference
+    path, with the reason, and gives the specification's outputs and states: never the bf16 path."""
+    num = 0
+    spec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
+    for state_dtype in ("int4", "int8"):
+        dcfg = DirectionConfig(state_dtype=state_dtype)
+        comp, comp_emul = make_compensator(dcfg), make_compensator(dcfg)
+        for call in range(2):
+            parts = parts_for(P, n, torch.bfloat16, 6000 + call, device)
+            x = parts[rank]
+            decision = buf.would_use_p2p(x, spec, comp)
+            assert not decision and "state_dtype" in decision.reason, decision
+            y = buf.all_reduce(x, spec, compensator=comp)
+            expected = spec_on_device(parts, spec, comp_emul)
+            what = f"state_dtype={state_dtype} call {call}: rank {rank}"
+            assert same_bits(y, expected), f"{what}: output differs from the emulator"
+            for name in ("m1", "m2", "exponent"):
+                mine, spec_state = getattr(comp, name, None), getattr(comp_emul, name, None)
+                if isinstance(mine, torch.Tensor):
+                    assert torch.equal(mine, spec_state[rank]), f"{what}: {name} differs from the emulator's"
+            num += 1
+    return num
+
+
 def check_graph(buf, rank, P, device, n=100_003, replays=4):
     """Capture one compensated call (rotation, pow2) and replay it with new inputs; eager calls before
     and after; the outputs and the compensator sequence must be the emulator's."""
@@ -377,6 +402,9 @@ def suite(rank, world_size, cfg):
         log(rank, f"P={P}: {cfg['stress_calls']} back-to-back calls of {len(cfg['stress_sizes'])} mixed sizes in "
                   f"{secs:.1f} s ({cfg['stress_calls'] / secs:.0f} calls/s per rank): no hang, digests equal on "
                   f"every rank, {checked} sampled calls bit-identical to the emulator")
+    n_narrow = check_narrow_state(buf, rank, P, device)
+    log(rank, f"P={P}: {n_narrow} calls with a narrow compensator state (int4, int8): the reference path, "
+              f"outputs and states bit-identical to the emulator's")
     if cuda and buf._runtime is not None:
         n_plain = check_plain(buf, rank, P, device)
         log(rank, f"P={P}: {n_plain} unquantized calls (plain_all_reduce: 3 dtypes, 1 element to 1 M, NaN, fp16 "

@@ -104,6 +104,11 @@ def _raw_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def _state_dtype(compensator) -> str:
+    """The compensator's stored state format ("bf16" without a compensator); the kernels hold bf16 only."""
+    return "bf16" if compensator is None else getattr(compensator, "state_dtype", "bf16")
+
+
 def _default_timeout() -> float:
     return float(os.environ.get("ECHO_P2P_TIMEOUT_S", proto.kDefaultTimeoutS))
 
@@ -399,8 +404,9 @@ class EchoBuffer:
         if not self.active:
             return policy.Decision(False, self.reason)
         telemetry = bool(compensator is not None and compensator.telemetry)
+        state_dtype = _state_dtype(compensator)
         device_matches = x.device == self.device
-        key = (x.dtype, x.numel(), spec.bits, spec.group_size, telemetry, device_matches)
+        key = (x.dtype, x.numel(), spec.bits, spec.group_size, telemetry, device_matches, state_dtype)
         decision = self._decisions.get(key)
         if decision is None:
             if len(self._decisions) >= 4096:
@@ -408,7 +414,7 @@ class EchoBuffer:
             decision = self._decisions[key] = policy.call_decision(
                 dtype=x.dtype, numel=x.numel(), element_size=x.element_size(), world_size=self.world_size,
                 bits=spec.bits, group_size=spec.group_size, capacity=self.capacity, telemetry=telemetry,
-                device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype))
+                device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype), state_dtype=state_dtype)
         return decision
 
     def _one_launch_serves(self, spec: QuantSpec, dtype: torch.dtype) -> bool:
@@ -436,7 +442,8 @@ class EchoBuffer:
         plan = None
         if self._runtime is not None:  # the one-launch fast path: one dict lookup, then the call
             key = (x.dtype, x.numel(), x.device, spec, pow2_rescale,
-                   None if compensator is None else (compensator.residual, compensator.telemetry), site, direction)
+                   None if compensator is None else (compensator.residual, compensator.telemetry,
+                                                     _state_dtype(compensator)), site, direction)
             plan = self._plans.get(key)
             if plan is not None and not self.closed and not (x.requires_grad and torch.is_grad_enabled()):
                 self.check()
