@@ -10,25 +10,13 @@ y written once; the state (m1 and m2, bf16) read 4 bytes per padded element and 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from utils import load_benchmark
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-B = _load("bytes_model")
+B = load_benchmark("bytes_model")
 
 # bf16, 4-bit, g = 64, "zero_aware_int": 32 code bytes + one 16-bit word = 34 bytes per group of 64.
 C4 = 34 / 64
@@ -142,7 +130,7 @@ def test_memory_by_hand():
 def test_bench_p2p_floor_columns(capsys):
     """benchmarks/bench_p2p.py's floor table from a synthetic sweep (no GPU): the floor is the ranks' model
     bytes at the run's copy bandwidth, "% of floor" the floor over the measured time; --help names them."""
-    bench = _load("bench_p2p")
+    bench = load_benchmark("bench_p2p")
     from echo_ds.quant import QuantSpec
 
     P, size = 2, 64 << 20

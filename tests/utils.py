@@ -105,3 +105,17 @@ def run_with_dying_rank(fn, world_size: int, *args, timeout: float = kDefaultTim
     if code != dead_exit_code:
         raise AssertionError(f"rank {world_size - 1} exited with {code}, expected {dead_exit_code}")
     return [results[r] for r in range(world_size - 1)]
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is no package); registered in sys.modules, where
+    dataclasses look their module up."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
