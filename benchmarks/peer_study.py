@@ -3,9 +3,10 @@ SmolLM2-135M on the CPU, three texts, through accuracy_study.py. Rows: every pee
 Echo (ds_configs/eval/4bit_full.json), the library's default at 4 and at 8 bits; columns: bits per value,
 perplexity change per text, mean KL, mean top-1 agreement (``--report``).
 
-    python benchmarks/peer_study.py --json docs/results/peer_study_tp4.json
-    python benchmarks/peer_study.py --tp 2 --variants default_4bit,default_8bit,PEER_A,PEER_B \
-        --json docs/results/peer_study_tp2.json          (likewise --tp 8)
+    python benchmarks/peer_study.py --threads 1 --tokens 1024 --json docs/results/peer_study_tp4.json
+    python benchmarks/peer_study.py --threads 1 --tokens 1024 --tp 2 \
+        --variants default_4bit,default_8bit,dong_int4_outliers,quickreduce_int8 \
+        --json docs/results/peer_study_tp2.json           (likewise --tp 8, peer_study_tp8.json)
     python benchmarks/peer_study.py --report docs/results/peer_study_tp4.json \
         --plot docs/results/peer_study_tp4.png            (the table and the plot of a finished run)
     (texts from $ECHO_SHAKESPEARE_DIR or ./.data/shakespeare)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 import accuracy_study as AS  # benchmarks/: puts the repository on sys.path
@@ -116,8 +118,10 @@ def draw(rows: dict, doc: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("bits on the wire per value (codes + per-group parameters)")
     ax.set_ylabel(f"mean KL(16-bit || variant), nats per token, over {len(doc['runs'])} texts")
-    ax.set_title(f"{doc['model']}, emulated P = {doc['tp']}: Echo (red: our default; orange: the paper's) "
-                 f"and the peers (blue squares; grey: a what-if)", fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(f"{doc['model']}, emulated P = {doc['tp']}, {doc['tokens']} tokens of "
+                                          f"each text", 100))
+                 + "\nred: our default; orange: the paper's Echo; blue squares: the peers; grey: a what-if",
+                 fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=150)

@@ -38,8 +38,8 @@ Formats
     those within one step of |m| are clipped by up to one step). enc = rcp(dec + 2^-24) in fp16 (the
     epsilon 0x0001 is fp16's smallest subnormal; an all-zero group's overflowing enc saturates, as
     ``set_fp16_ovfl(true)`` makes it), the product x * enc rounded to fp16, clamped, rounded half to even
-    (``rintf``). All codec arithmetic is fp16 (vLLM casts bf16 inputs to fp16 by default,
-    ``VLLM_ROCM_QUICK_REDUCE_CAST_BF16_TO_FP16``; the bf16 codec is not emulated); h2rcp is taken as the
+    (``rintf``). All codec arithmetic is fp16 (vLLM casts bf16 inputs to fp16 by default: the kernel's
+    ``cast_bf2half``, vLLM pull request 16804; the bf16 codec is not emulated); h2rcp is taken as the
     correctly rounded fp16 reciprocal.
     Group: 32 values = the even (or the odd) elements of 64 consecutive ones (8 threads x 8 fp16 values,
     the two halves of each f16x2 form two groups). Wire: b bits per value + 16 bits per 32 values =
