@@ -92,6 +92,15 @@ def _cases(rank, world_size, shm_port):
     res.update(comp_equal=comp_equal, state_equal=state_equal, in_place=in_place, num_calls=cc.num_calls,
                state_moved=bool(cc.m1.float().abs().sum() > 0))
 
+    # The "int4" state: codes and per-group exponents, three tensors updated in place.
+    ce, cc = Compensator(DirectionConfig(state_dtype="int4")), Compensator(DirectionConfig(state_dtype="int4"))
+    fc = torch.compile(lambda t: echo_all_reduce(t, spec, compensator=cc), fullgraph=True)
+    narrow = []
+    for x in xs[:2]:
+        e, g = echo_all_reduce(x, spec, compensator=ce), fc(x)
+        narrow.append(_equal(e, g) and all(_equal(getattr(ce, a), getattr(cc, a)) for a in ("m1", "m2", "exponent")))
+    res["narrow_equal"] = narrow
+
     # --- a backend registered for the group: eager calls and the graph compiled above take it, except
     # inside reference_only() --------------------------------------------------------------------------
     recorder = _Recorder()
@@ -159,11 +168,13 @@ def test_fake_implementation_matches_the_op(results):
 
 
 def test_compensated_compiles_matches_eager_and_updates_the_state_in_place(results):
+    # bf16 state (with rotation, pow2 rescaling and a reset), then the "int4" state with its exponents
     for r in results:
         assert r["comp_equal"] == [True] * 3
         assert r["state_equal"] == [True] * 3
         assert r["in_place"] == [True] * 3
         assert r["num_calls"] == 1 and r["state_moved"]  # one call since the reset, and it fed back
+        assert r["narrow_equal"] == [True, True]
 
 
 def test_registered_backend_serves_eager_and_compiled_calls(results):
