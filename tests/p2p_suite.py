@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from echo_ds import collective
 from echo_ds.compensator import make_compensator
 from echo_ds.config import DirectionConfig
 from echo_ds.emulate import emulated_echo_all_reduce
@@ -79,7 +80,8 @@ class CpuReference:
         self.num_calls = self.num_differ = self.num_elements_differ = 0
 
     def check(self, y, x, spec, comp=None, pow2="auto", what=""):
-        ref = echo_all_reduce(x.cpu(), spec, compensator=comp, pow2_rescale=pow2)
+        with collective.reference_only():  # the EchoBuffer under test is this group's registered backend
+            ref = echo_all_reduce(x.cpu(), spec, compensator=comp, pow2_rescale=pow2)
         self.num_calls += 1
         if same_bits(y.cpu(), ref):
             return ref
@@ -294,6 +296,22 @@ def check_narrow_state(buf, rank, P, device, n=4097):
     return num
 
 
+def check_registered(buf, rank, P, device, n=4097):
+    """The buffer is its group's backend: echo_all_reduce (the custom op) runs on it, with the emulator's
+    bits, and inside collective.reference_only() it does not."""
+    spec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
+    parts = parts_for(P, n, torch.bfloat16, 6500, device)
+    before = buf.num_calls
+    y = echo_all_reduce(parts[rank], spec)
+    assert buf.num_calls == before + 1, "echo_all_reduce did not run on the group's EchoBuffer"
+    assert same_bits(y, spec_on_device(parts, spec)), f"echo_all_reduce through the buffer: rank {rank} differs"
+    with collective.reference_only():
+        y_ref = echo_all_reduce(parts[rank].cpu(), spec)
+    assert buf.num_calls == before + 1, "reference_only() still ran the buffer"
+    assert same_bits(y, y_ref), f"the reference differs from the buffer: rank {rank}"
+    return 2
+
+
 def check_graph(buf, rank, P, device, n=100_003, replays=4):
     """Capture one compensated call (rotation, pow2) and replay it with new inputs; eager calls before
     and after; the outputs and the compensator sequence must be the emulator's."""
@@ -402,6 +420,9 @@ def suite(rank, world_size, cfg):
         log(rank, f"P={P}: {cfg['stress_calls']} back-to-back calls of {len(cfg['stress_sizes'])} mixed sizes in "
                   f"{secs:.1f} s ({cfg['stress_calls'] / secs:.0f} calls/s per rank): no hang, digests equal on "
                   f"every rank, {checked} sampled calls bit-identical to the emulator")
+    check_registered(buf, rank, P, device)
+    log(rank, f"P={P}: echo_all_reduce on the group runs on its EchoBuffer (the registered backend of the "
+              f"custom op), bit-identical to the emulator and to the reference")
     n_narrow = check_narrow_state(buf, rank, P, device)
     log(rank, f"P={P}: {n_narrow} calls with a narrow compensator state (int4, int8): the reference path, "
               f"outputs and states bit-identical to the emulator's")

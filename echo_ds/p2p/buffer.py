@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from echo_ds import algorithm as A
+from echo_ds import collective
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import policy
 from echo_ds.p2p import protocol as proto
@@ -311,6 +312,9 @@ class EchoBuffer:
         decision = policy.group_decision(facts)
         if decision:
             self.active = True
+            # Every Echo call on this group (echo_ds.reference.echo_all_reduce, eager or compiled: the custom
+            # op of echo_ds.collective) now runs here; close() takes it back to the reference.
+            collective.register_backend(self.group, self)
             return
         self.reason = decision.reason
         self.transport.close()
@@ -691,6 +695,8 @@ class EchoBuffer:
             return
         self.closed = True
         _live_buffers.discard(self)
+        if self.active and collective.backend_for(collective.group_name(self.group)) in (self, None):
+            collective.unregister_backend(self.group)
         t, self.transport = self.transport, None
         self._schedules.clear()
         if t is None:
