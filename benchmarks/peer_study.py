@@ -3,9 +3,9 @@ SmolLM2-135M on the CPU, three texts, through accuracy_study.py. Rows: every pee
 Echo (ds_configs/eval/4bit_full.json), the library's default at 4 and at 8 bits; columns: bits per value,
 perplexity change per text, mean KL, mean top-1 agreement (``--report``).
 
-    python benchmarks/peer_study.py --threads 1 --tokens 1024 --json docs/results/peer_study_tp4.json
-    python benchmarks/peer_study.py --threads 1 --tokens 1024 --tp 2 \
-        --variants default_4bit,default_8bit,dong_int4_outliers,quickreduce_int8 \
+    python benchmarks/peer_study.py --threads 1 --tokens 512 --json docs/results/peer_study_tp4.json
+    python benchmarks/peer_study.py --threads 1 --tokens 512 --tp 2 \
+        --variants default_4bit,default_8bit,dong_int4_outliers,quickreduce_int8,quickreduce_int4 \
         --json docs/results/peer_study_tp2.json           (likewise --tp 8, peer_study_tp8.json)
     python benchmarks/peer_study.py --report docs/results/peer_study_tp4.json \
         --plot docs/results/peer_study_tp4.png            (the table and the plot of a finished run)
