@@ -51,7 +51,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)  # run from a checkout without installing
 
 import echo_ds.deepspeed as echo  # noqa: E402
-from echo_ds.deepspeed.teardown import shutdown  # noqa: E402
+from echo_ds.deepspeed import shutdown  # noqa: E402
 
 DEFAULT_DATA = os.path.join(REPO, "examples", "data", "shakespeare_sample.txt")
 

@@ -9,13 +9,15 @@ Public API (see docs/deepspeed.md):
 * ``EchoRuntime``, ``EchoStats``: the per-model state and its counters.
 * ``reduce_from_tensor_parallel_region``, ``copy_to_tensor_parallel_region``: the public wrappers, for
   hand-written tensor-parallel layers.
+* ``shutdown()``: the end of a run, after the last collective (echo_ds/deepspeed/teardown.py).
 """
 
 from .api import disable, enable, get_runtime, init_inference, initialize
 from .mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from .runtime import BACKWARD, FORWARD, EchoRuntime, EchoStats, Site
+from .teardown import shutdown
 
 __all__ = [
     "initialize", "init_inference", "enable", "disable", "get_runtime", "EchoRuntime", "EchoStats", "Site",
-    "FORWARD", "BACKWARD", "reduce_from_tensor_parallel_region", "copy_to_tensor_parallel_region",
+    "FORWARD", "BACKWARD", "reduce_from_tensor_parallel_region", "copy_to_tensor_parallel_region", "shutdown",
 ]
