@@ -10,21 +10,6 @@ from echo_ds.deepspeed import policy, runtime
 from echo_ds.quant import wire_bytes
 
 
-class _Log:
-    def __init__(self):
-        self.records = []
-
-    def __getattr__(self, level):
-        return lambda msg: self.records.append((level, msg))
-
-
-@pytest.fixture
-def log(monkeypatch):
-    fake = _Log()
-    monkeypatch.setattr(echo_log, "logger", fake)
-    monkeypatch.setattr(echo_log, "_emitted_once", set())
-    return fake
-
 
 def test_backend_reference_and_auto_on_cpu():
     c = policy.select_backend("reference", "cpu", 2)

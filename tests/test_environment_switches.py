@@ -12,26 +12,10 @@ import os
 
 import pytest
 
-from echo_ds import log as echo_log
 from echo_ds.deepspeed import policy
 
-from utils import free_port, run_distributed
+from utils import RecordingLog, free_port, run_distributed
 
-
-class _Log:
-    def __init__(self):
-        self.records = []
-
-    def __getattr__(self, level):
-        return lambda msg: self.records.append((level, msg))
-
-
-@pytest.fixture
-def log(monkeypatch):
-    fake = _Log()
-    monkeypatch.setattr(echo_log, "logger", fake)
-    monkeypatch.setattr(echo_log, "_emitted_once", set())
-    return fake
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -146,7 +130,7 @@ def _layers_case(rank, world_size, shm_port):
 
     deepspeed.init_distributed("gloo")
     set_autotp_mode(training=True)
-    echo_log_mod.logger = _Log()
+    echo_log_mod.logger = RecordingLog()
     records = echo_log_mod.logger.records
 
     def layer():

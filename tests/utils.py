@@ -119,3 +119,13 @@ def load_benchmark(name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+class RecordingLog:
+    """Stands in for the echo_ds logger (echo_ds.log.logger): records (level, message)."""
+
+    def __init__(self):
+        self.records = []
+
+    def __getattr__(self, level):
+        return lambda msg: self.records.append((level, msg))
