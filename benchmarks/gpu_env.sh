@@ -32,3 +32,18 @@ E.load()
 print(f'echo_ds.ops cold JIT build + load: {time.perf_counter() - t:.1f} s')" > "$1" 2>&1
   echo "rc=$?" >> "$1"
 }
+
+# The usual start of a session script: session_start DIR, the machine printed, MPS started (gpu_mps.sh;
+# ECHO_DS_MPS records whether it runs), the extension built (DIR/build.log, its tail printed). PYTEST: the
+# scripts' pytest command line.
+session_begin() {
+  session_start "$1"
+  cat "$1/env.txt"
+  source benchmarks/gpu_mps.sh
+  start_mps
+  export ECHO_DS_MPS=$MPS
+  stamp "MPS: $MPS"
+  build_ops "$1/build.log" 300; tail -2 "$1/build.log"
+  stamp "built"
+}
+PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"

@@ -12,16 +12,7 @@
 set -u
 OUT=${OUT:-/tmp/final_out}
 source benchmarks/gpu_env.sh
-session_start "$OUT"
-cat "$OUT/env.txt"
-source benchmarks/gpu_mps.sh
-start_mps
-export ECHO_DS_MPS=$MPS
-stamp "MPS: $MPS"
-build_ops "$OUT/build.log" 300; tail -2 "$OUT/build.log"
-stamp "built"
-
-PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
+session_begin "$OUT"
 { [ -n "${SKIP_SUITES:-}" ] || ECHO_P2P_QUICK=1 timeout 150 $PYTEST tests/test_p2p_gpu.py -k "test_gpu_suite and not 8" --timeout 140
   [ -n "${SKIP_SUITES:-}" ] || timeout 60 $PYTEST tests/test_dependencies.py --timeout 50
 } 2>&1 | grep -v "^\[.*WARNING" > "$OUT/test.log"; grep -E "passed|failed|registered|narrow|Error" "$OUT/test.log" | tail -8

@@ -13,16 +13,7 @@
 set -u
 OUT=${OUT:-/tmp/floor_out}
 source benchmarks/gpu_env.sh
-session_start "$OUT"
-cat "$OUT/env.txt"
-source benchmarks/gpu_mps.sh
-start_mps
-stamp "MPS: $MPS"
-
-build_ops "$OUT/build.log" 300; tail -2 "$OUT/build.log"
-stamp "built"
-
-PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
+session_begin "$OUT"
 { timeout 100 $PYTEST tests/test_p2p_transport_gpu.py --timeout 90
   ECHO_P2P_QUICK=1 timeout "${TEST_TIMEOUT:-210}" $PYTEST tests/test_p2p_gpu.py -k "${TESTS:-test_gpu_suite}" \
     --timeout 200

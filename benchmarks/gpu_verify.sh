@@ -11,16 +11,7 @@
 set -u
 OUT=${OUT:-/tmp/verify_out}
 source benchmarks/gpu_env.sh
-session_start "$OUT"
-cat "$OUT/env.txt"
-source benchmarks/gpu_mps.sh
-start_mps
-export ECHO_DS_MPS=$MPS
-stamp "MPS: $MPS"
-build_ops "$OUT/build.log" 300; tail -2 "$OUT/build.log"
-stamp "built"
-
-PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -s"
+session_begin "$OUT"
 timeout 120 $PYTEST tests/test_state_narrow_kernels.py --timeout 110 2>&1 | tee "$OUT/test.log" | tail -4
 stamp "narrow state tests done"
 ECHO_SOAK_CALLS=${ECHO_SOAK_CALLS:-2000} timeout 150 $PYTEST tests/test_soak_gpu.py --timeout 140 2>&1 \
