@@ -53,8 +53,8 @@ import torch.distributed as dist
 from echo_ds import algorithm as A
 from echo_ds.quant import QuantSpec
 
-__all__ = ["all_reduce", "register_backend", "unregister_backend", "backend_for", "reference_only", "handle",
-           "resolve", "group_name", "ordered"]
+__all__ = ["all_reduce", "register_backend", "unregister_backend", "drop_backend", "backend_for", "reference_only",
+           "handle", "resolve", "group_name", "ordered"]
 
 # The compensator's state tensors, in the order the op receives them (exponent: integer formats only).
 _STATE_ATTRS = ("m1", "m2", "exponent")
@@ -117,6 +117,13 @@ def register_backend(group: Optional[dist.ProcessGroup], backend) -> None:
 def unregister_backend(group: Optional[dist.ProcessGroup]) -> None:
     """Send ``group``'s calls back to the reference (a no-op where no backend is registered)."""
     _backends.pop(group_name(group), None)
+
+
+def drop_backend(name: str, backend) -> None:
+    """Unregister ``backend`` from the group named ``name`` if it is still the one registered there (a
+    later backend of the same group stays). Needs no process group: safe at interpreter exit."""
+    if _backends.get(name) is backend:
+        _backends.pop(name, None)
 
 
 @contextlib.contextmanager

@@ -188,3 +188,21 @@ def test_deepspeed_row_parallel_forward_compiles_and_backward_matches(results):
         assert r["row_equal"] == [True] * 4  # both outputs, the input gradient, the weight gradient
         assert r["row_calls"] == 4  # two calls per step, eager and compiled: counted at run time
         assert r["row_state"] == 2  # the forward state fed back once per call of the compiled pass
+
+
+def test_drop_backend_removes_only_the_backend_registered_under_the_name():
+    """EchoBuffer.close() unregisters by the name it kept (no process group needed at interpreter exit),
+    and only itself: a later backend of the same group stays."""
+    from echo_ds import collective
+
+    class Backend:
+        active, closed = True, False
+
+    first, second = Backend(), Backend()
+    name = "test-group-name"
+    collective._backends[name] = second
+    collective.drop_backend(name, first)  # not the registered one: nothing changes
+    assert collective.backend_for(name) is second
+    collective.drop_backend(name, second)
+    assert collective.backend_for(name) is None
+    collective.drop_backend(name, second)  # already gone: a no-op

@@ -164,6 +164,7 @@ class EchoBuffer:
         self._events = {}
         self._num_calls = 0
         self._fault = None  # tests: (call number, "exit_after_push")
+        self._backend_name = None  # the group's name in echo_ds.collective's registry, while registered
         if transport == "host":
             self.device = torch.device("cpu")
             self._init_host()
@@ -315,6 +316,7 @@ class EchoBuffer:
             # Every Echo call on this group (echo_ds.reference.echo_all_reduce, eager or compiled: the custom
             # op of echo_ds.collective) now runs here; close() takes it back to the reference.
             collective.register_backend(self.group, self)
+            self._backend_name = collective.group_name(self.group)
             return
         self.reason = decision.reason
         self.transport.close()
@@ -695,8 +697,9 @@ class EchoBuffer:
             return
         self.closed = True
         _live_buffers.discard(self)
-        if self.active and collective.backend_for(collective.group_name(self.group)) in (self, None):
-            collective.unregister_backend(self.group)
+        if self._backend_name is not None:  # the name kept at registration: the group may be gone by now
+            collective.drop_backend(self._backend_name, self)
+            self._backend_name = None
         t, self.transport = self.transport, None
         self._schedules.clear()
         if t is None:
