@@ -9,7 +9,9 @@ template void launch_p2p_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaS
 template void launch_p2p_plain_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaStream_t);
 }  // namespace detail
 
-void launch_p2p_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
+namespace {
+// What every launch of the family needs: world size, rank, grid, chunk, control block, error record, flags.
+void check_launch(const P2PAllReduceArgs& a) {
   const int P = a.layout.world_size;
   ECHO_HOST_ASSERT(P == 2 || P == 4 || P == 8, "the one-launch transport is built for 2, 4, 8 ranks");
   ECHO_HOST_ASSERT(a.rank >= 0 && a.rank < P, "rank out of range");
@@ -19,6 +21,11 @@ void launch_p2p_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
                    "the chunk must be a non-empty range of the segment's groups");
   ECHO_HOST_ASSERT(a.control != nullptr && a.error != nullptr, "control block and error record are required");
   for (int j = 0; j < P; ++j) ECHO_HOST_ASSERT(a.flags[j] != nullptr, "every rank's flag area is required");
+}
+}  // namespace
+
+void launch_p2p_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
+  check_launch(a);
   detail::check_contribution(a.src);
   ECHO_HOST_ASSERT(!(a.update_local && a.update_output), "one residual per call");
   ECHO_HOST_ASSERT(!(a.update_local || a.update_output) || a.src.m1 != nullptr, "updating needs the state");
@@ -26,16 +33,8 @@ void launch_p2p_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
 }
 
 void launch_p2p_plain_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
-  const int P = a.layout.world_size;
-  ECHO_HOST_ASSERT(P == 2 || P == 4 || P == 8, "the one-launch transport is built for 2, 4, 8 ranks");
-  ECHO_HOST_ASSERT(a.rank >= 0 && a.rank < P, "rank out of range");
+  check_launch(a);
   ECHO_HOST_ASSERT(a.layout.group_size == detail::kPlainGroupSize, "the plain call's groups are kPlainGroupSize");
-  ECHO_HOST_ASSERT(a.num_blocks >= 1 && a.num_blocks <= kP2PMaxBlocks, "num_blocks out of range");
-  ECHO_HOST_ASSERT(a.chunk_begin >= 0 && a.chunk_groups >= 1 &&
-                       a.chunk_begin + a.chunk_groups <= a.layout.groups_per_segment,
-                   "the chunk must be a non-empty range of the segment's groups");
-  ECHO_HOST_ASSERT(a.control != nullptr && a.error != nullptr, "control block and error record are required");
-  for (int j = 0; j < P; ++j) ECHO_HOST_ASSERT(a.flags[j] != nullptr, "every rank's flag area is required");
   ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, detail::launch_p2p_plain_all_reduce_kernel<T>(a, stream));
 }
 

@@ -116,6 +116,17 @@ __device__ __forceinline__ void wait_peers(const P2PAllReduceArgs& a, uint64_t (
   __syncthreads();
 }
 
+// The end of every launch of the family: the last block to finish raises the epoch to this launch's (every
+// block read it at its start), so that the next launch, eager or replayed from a graph, takes the next one.
+__device__ __forceinline__ void finish_launch(P2PControl* control, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t prev = atomicInc(&control->arrivals, gridDim.x - 1);  // wraps to 0 for the next launch
+    if (prev == gridDim.x - 1) *reinterpret_cast<volatile uint64_t*>(&control->epoch) = epoch;
+  }
+}
+
 // -DECHO_P2P_SIGNAL_FENCE=0 builds the signal without the full system fence before the release store (the
 // release alone, as vLLM's custom all-reduce signals), for comparison (benchmarks/RESULTS.md).
 #ifndef ECHO_P2P_SIGNAL_FENCE
@@ -387,13 +398,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     }
   }
 
-  // The last block to finish raises the epoch for the next call (every block read it at its start).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const uint32_t prev = atomicInc(&control->arrivals, gridDim.x - 1);  // wraps to 0 for the next launch
-    if (prev == gridDim.x - 1) *reinterpret_cast<volatile uint64_t*>(&control->epoch) = epoch;
-  }
+  finish_launch(control, epoch);
 }
 
 // The same call without quantization (a custom all-reduce like vLLM's two-shot one): the in-run 16-bit
@@ -481,12 +486,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(
     }
   });
 
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const uint32_t prev = atomicInc(&a.control->arrivals, gridDim.x - 1);
-    if (prev == gridDim.x - 1) *reinterpret_cast<volatile uint64_t*>(&a.control->epoch) = epoch;
-  }
+  finish_launch(a.control, epoch);
 }
 
 template <typename T>
