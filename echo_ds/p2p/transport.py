@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import protocol as proto
-from echo_ds.p2p.rawview import raw_uint8_tensor
 
 Copy = Tuple[torch.Tensor, int, int, int, str, int]
 Flag = Tuple[int, int]
@@ -51,6 +50,37 @@ _RECORD_WORDS = ("code", "rank", "peer", "stage", "tile", "call_index", "expecte
 # ----------------------------------------------------------------------------------------------------
 # CUDA
 # ----------------------------------------------------------------------------------------------------
+
+class DeviceBytes:
+    """``num_bytes`` of device memory at ``ptr`` that torch does not own (this rank's cuMemAlloc buffers, a
+    peer's memory mapped over CUDA IPC), described by the CUDA array interface (version 3) for
+    ``torch.as_tensor``. The memory is EchoBuffer's, freed in close(); this object only describes it."""
+
+    def __init__(self, ptr: int, num_bytes: int):
+        # stream None: nothing to synchronise with, the memory is ready (written and synchronised before).
+        self.__cuda_array_interface__ = {"version": 3, "typestr": "|u1", "shape": (num_bytes,), "strides": None,
+                                         "data": (ptr, False), "stream": None}
+
+
+def device_bytes(ptr: int, num_bytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor [num_bytes] over the memory at ``ptr``, on ``device`` (cuda:i, this rank's device, through
+    which a peer's mapping is addressed), sharing the memory.
+
+    NOTE: the device index must be explicit. torch.as_tensor then takes it as the tensor's device; without one
+    it asks the driver where the pointer lives, which for a peer GPU's mapping is the peer, and a tensor of
+    another device would be copied to this one, so the kernels would write into the copy. A torch that
+    copies anyway is refused here rather than trusted.
+    """
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"device_bytes needs a CUDA device with its index, got {device}")
+    t = torch.as_tensor(DeviceBytes(ptr, num_bytes), device=device)
+    if t.data_ptr() != ptr or t.device != device or t.numel() != num_bytes:
+        raise proto.EchoP2PError(
+            f"torch {torch.__version__} made a copy of the memory at {ptr:#x} ({t.data_ptr():#x} on {t.device}) "
+            f"instead of a view on {device}: the p2p transport needs a torch whose as_tensor keeps an explicit "
+            f"CUDA device for __cuda_array_interface__ memory; use the reference path (\"backend\": \"reference\")")
+    return t
+
 
 class CudaTransport:
     """Peer memory over CUDA IPC and the transport kernels of echo_ds.ops (``ext``: the loaded extension).
@@ -125,14 +155,18 @@ class CudaTransport:
             self.error = f"rank {rank}: opening rank {j}'s {region} buffer failed: {type(e).__name__}: {e}"
             return
 
+        # Every rank's three regions as uint8 tensors on this device (peers' through their IPC mappings),
+        # for kernels that take tensors (echo_ds.ops writes its codes straight into a peer's slot).
+        try:
+            self.peer = [{region: device_bytes(self.peer_ptr[j][region], n, device) for region, n in sizes.items()}
+                         for j in range(world_size)]
+        except Exception as e:  # noqa: BLE001
+            self.error = f"rank {rank}: viewing the workspace as tensors failed: {type(e).__name__}: {e}"
+            return
+
         # The fixed table of 3P + 1 addresses (appendix C): the P code buffers, the P parameter buffers,
         # the P signal arrays, as this process maps them, and this rank's flag base.
         self.table = [self.peer_ptr[j][region] for region in sizes for j in range(world_size)] + [self.control_ptr]
-
-        # Every rank's three regions as uint8 tensors on this device (peers' through their IPC mappings),
-        # for kernels that take tensors (echo_ds.ops writes its codes straight into a peer's slot).
-        self.peer = [{region: raw_uint8_tensor(self.peer_ptr[j][region], n, device) for region, n in sizes.items()}
-                     for j in range(world_size)]
         self.codes = self.peer[rank]["codes"]
         self.params = self.peer[rank]["params"]
         self.signals = self.peer[rank]["signals"]
