@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
-from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS, Quantizer, QuantSpec
+from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_BITS, Quantizer, QuantSpec, is_group_size
 
 ECHO_KEY = "echo"
 # The values of "backend": "auto" (p2p where the group can use it, else reference), "reference"
@@ -202,7 +202,7 @@ class EchoConfig(_Section):
     @field_validator("group_size")
     @classmethod
     def _group_size(cls, v):
-        if not (MIN_GROUP_SIZE <= v <= MAX_GROUP_SIZE) or v & (v - 1):
+        if not is_group_size(v):
             raise ValueError(f"must be a power of two in [{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}]")
         return v
 

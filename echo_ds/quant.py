@@ -63,15 +63,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
+# The quantizers, in the order of their codes: a quantizer's code is its index here (the kernels' Quantizer
+# enum, csrc/echo_api.cuh; echo_ds.ops.kernels.QUANTIZER_CODES; the call descriptors). Append, never reorder.
 Quantizer = Literal["zero_aware", "symmetric", "naive", "zero_aware_int"]
-QUANTIZERS = ("zero_aware", "symmetric", "naive", "zero_aware_int")
+QUANTIZERS = get_args(Quantizer)
 # Quantizers whose scale and zero-point share one 16-bit word on the wire (pack_params).
 PACKED_QUANTIZERS = ("zero_aware_int",)
 SUPPORTED_BITS = (4, 8)
+# Group sizes: the powers of two in [MIN_GROUP_SIZE, MAX_GROUP_SIZE] (is_group_size); the CUDA kernels take
+# a subset (echo_ds.ops.kernels.SUPPORTED_GROUP_SIZES).
 MIN_GROUP_SIZE = 16
 MAX_GROUP_SIZE = 4096
 
@@ -92,11 +96,16 @@ def reciprocal(c: float) -> float:
     return f32(1.0 / c)
 
 
+def is_group_size(group_size) -> bool:
+    """Whether ``group_size`` is a group size the quantizer takes."""
+    return (isinstance(group_size, int) and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE
+            and group_size & (group_size - 1) == 0)
+
+
 def check_quant_args(bits: int, group_size: int, quantizer: str) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported: use one of {SUPPORTED_BITS}")
-    if not (isinstance(group_size, int) and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE
-            and group_size & (group_size - 1) == 0):
+    if not is_group_size(group_size):
         raise ValueError(f"group_size={group_size!r} must be a power of two in "
                          f"[{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}]")
     if quantizer not in QUANTIZERS:
