@@ -27,16 +27,24 @@ from echo_ds import quant as Q
 from echo_ds.algorithm import Layout
 from echo_ds.quant import QuantSpec
 
-QUANTIZER_CODES = {"zero_aware": 0, "symmetric": 1, "naive": 2, "zero_aware_int": 3}
-# World sizes the kernels are instantiated for (the reference path takes any P). The staged kernels
-# (push_quantize, owner_reduce, dequantize, pow2_amax: ECHO_DISPATCH_WORLD_SIZE in csrc/echo_device.cuh)
-# take P = 3 as well; the one-launch p2p kernel (csrc/p2p_all_reduce.cuh, P2PRuntime in
-# csrc/echo_binding.cpp) is built only for the tensor-parallel sizes 2, 4 and 8, and the p2p transport
-# serves exactly those groups (echo_ds.p2p.policy), so every group it serves has its one-launch kernel.
+# What the kernels are built for, declared here once (tests/test_facts.py holds csrc/ to it); everything else
+# in the package derives from these and from echo_ds.quant.
+#
+# The kernels' quantizer argument: the quantizer's index in quant.QUANTIZERS (csrc/echo_api.cuh, Quantizer).
+QUANTIZER_CODES = {name: code for code, name in enumerate(Q.QUANTIZERS)}
+# World sizes the kernels are instantiated for (the reference path takes any P). The p2p transport serves
+# exactly the sizes of the one-launch kernel (csrc/p2p_all_reduce.cuh, P2PRuntime in csrc/echo_binding.cpp;
+# echo_ds.p2p.policy.group_decision), so every group it serves has its one-launch kernel. The staged kernels
+# (push_quantize, owner_reduce, dequantize, pow2_amax: ECHO_DISPATCH_WORLD_SIZE in csrc/echo_device.cuh) are
+# built for P = 3 as well, which no group of the transport reaches: only the wrappers below, called
+# directly, run it.
 STAGED_WORLD_SIZES = (2, 3, 4, 8)
 ONE_LAUNCH_WORLD_SIZES = (2, 4, 8)
+# Group sizes the kernels are built for (ECHO_DISPATCH_GROUP_SIZE); the p2p transport runs the stages of
+# the other powers of two through torch. Bit widths: all of quant.SUPPORTED_BITS.
 SUPPORTED_GROUP_SIZES = (64, 128, 256)
-# Element types of every kernel, staged and one-launch; the p2p transport takes the same.
+# Element types of every kernel, staged and one-launch, in the order of the kernels' DType codes
+# (csrc/echo_api.cuh), which the one-launch call's descriptor uses too; the p2p transport takes the same.
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Stored formats of the compensator's state the kernels hold (echo.<direction>.state_dtype,
 # echo_ds.compensator): m1 and m2 as bf16 words. The narrow formats ("int8", "int4") run on the reference
@@ -52,12 +60,19 @@ def unsupported_reason(world_size: int, spec: QuantSpec, dtype: torch.dtype = to
         return f"unsupported world size {world_size} (the kernels are built for {STAGED_WORLD_SIZES})"
     if spec.group_size not in SUPPORTED_GROUP_SIZES:
         return f"group_size={spec.group_size} (the kernels are built for {SUPPORTED_GROUP_SIZES})"
-    if spec.bits not in (4, 8):
-        return f"bits={spec.bits}"
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         return f"dtype {dtype} (the kernels take {names})"
     return None
+
+
+def extension_mismatches(ext) -> List[str]:
+    """Where the loaded extension (``ext``) was built for other sizes than the ones declared above: the
+    bounds it exports (csrc/echo_api.cuh; its whole dispatch is pinned by tests/test_facts.py). Pure."""
+    declared = {"kMaxWorldSize": max(STAGED_WORLD_SIZES), "kMinGroupSize": min(SUPPORTED_GROUP_SIZES),
+                "kMaxGroupSize": max(SUPPORTED_GROUP_SIZES)}
+    return [f"{name} {int(getattr(ext, name))} (echo_ds/ops/kernels.py declares {value})"
+            for name, value in declared.items() if int(getattr(ext, name)) != value]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 import torch
 
 from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES, SUPPORTED_DTYPES, SUPPORTED_STATE_DTYPES
-from echo_ds.p2p.layout import Capacity, kMaxWorld, make_tiling
+from echo_ds.p2p.layout import Capacity, make_tiling
 
 _FIX_BACKEND = 'set "backend": "reference" in the "echo" section of ds_config.json to use the reference path'
 
@@ -114,8 +114,6 @@ def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_si
         return Decision(False, f"dtype {dtype} is not one of {SUPPORTED_DTYPES}")
     if state_dtype not in SUPPORTED_STATE_DTYPES:
         return state_dtype_decision({"<direction>": state_dtype})
-    if world_size > kMaxWorld:
-        return Decision(False, f"world size {world_size} > {kMaxWorld}")
     if telemetry:
         return Decision(False, 'the compensator records telemetry, which needs an exact all-reduce beside the '
                                'compressed one; set "telemetry": false in the "echo" section to use the p2p '
