@@ -24,6 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from echo_ds.algorithm import POW2_MODES
+from echo_ds.ops.kernels import SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES
+from echo_ds.quant import QUANTIZERS, SUPPORTED_BITS
+
 kFlagMask = 0xFFFFFFFF
 kStagesPerCall = 3
 kStagePush = 0
@@ -46,63 +50,132 @@ kErrorMismatch = 3  # the one-launch call: a peer's flag of this call carries a 
 
 # The one-launch call's descriptor: 32 bits in the low half of every flag it writes (the high half is the
 # call's epoch), so that ranks calling with different arguments are caught by the flags they exchange
-# anyway: dtype (bits 0-1), 8-bit codes (2), group size (3-4), quantizer (5-6), rotation (7), pow2 mode
-# (8-9), residual (10-11), and 20 bits hashing the element count with the caller's site and direction
-# (12-31).
-DESCRIPTOR_DTYPES = ("float32", "float16", "bfloat16")
-DESCRIPTOR_GROUP_SIZES = (64, 128, 256)
-DESCRIPTOR_QUANTIZERS = ("zero_aware", "symmetric", "naive", "zero_aware_int")
+# anyway. DESCRIPTOR_LAYOUT declares its fields, lowest bits first: each field's bit position is the sum
+# of the widths before it, and a value's code is its index in the field's values, which come from the
+# declarations of what the kernels take (echo_ds.ops.kernels, echo_ds.quant, echo_ds.algorithm).
+DESCRIPTOR_DTYPES = tuple(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+DESCRIPTOR_GROUP_SIZES = SUPPORTED_GROUP_SIZES
+DESCRIPTOR_QUANTIZERS = QUANTIZERS
+# Also the residual argument of the one-launch call (P2PRuntime.all_reduce: 0 none, 1 "local", 2 "output").
 DESCRIPTOR_RESIDUALS = ("none", "local", "output")
-DESCRIPTOR_POW2 = (False, True, "auto")  # echo_ds.algorithm.POW2_MODES, by code
+DESCRIPTOR_POW2 = POW2_MODES
 kNumelHashBits = 20
-
-
+kDescriptorBits = 32
 kHashField = "numel/site/direction (hash)"
 
 
+@dataclass(frozen=True)
+class DescriptorField:
+    """One field of the descriptor: ``name`` in decode_descriptor's answer, ``arg`` call_descriptor's
+    keyword, ``width`` bits, ``values`` coded by their index (None: the field holds a number)."""
+
+    name: str
+    arg: str
+    width: int
+    values: Optional[tuple]
+
+    @property
+    def mask(self) -> int:
+        return (1 << self.width) - 1
+
+
+DESCRIPTOR_LAYOUT = (
+    DescriptorField("dtype", "dtype", 2, DESCRIPTOR_DTYPES),
+    DescriptorField("bits", "bits", 1, SUPPORTED_BITS),
+    DescriptorField("group_size", "group_size", 2, DESCRIPTOR_GROUP_SIZES),
+    DescriptorField("quantizer", "quantizer", 2, DESCRIPTOR_QUANTIZERS),
+    DescriptorField("rotation", "rotation", 1, (False, True)),
+    DescriptorField("pow2_rescale", "pow2", 2, DESCRIPTOR_POW2),
+    DescriptorField("compensator", "residual", 2, DESCRIPTOR_RESIDUALS),
+    DescriptorField(kHashField, "hash", kNumelHashBits, None),
+)
+# A 16-bit (unquantized) call of the same kernel family (EchoBuffer.plain_all_reduce): its dtype, in the
+# residual field the first code that no quantized call has, and the hash; the other fields 0.
+kPlainResidualCode = len(DESCRIPTOR_RESIDUALS)
+kPlainResidualName = "none: a 16-bit call, unquantized"
+
+
+def descriptor_shifts(layout=DESCRIPTOR_LAYOUT) -> dict:
+    """{field arg: its lowest bit}."""
+    shifts, bit = {}, 0
+    for f in layout:
+        shifts[f.arg] = bit
+        bit += f.width
+    return shifts
+
+
+def check_descriptor_layout(layout=DESCRIPTOR_LAYOUT) -> None:
+    """Raise ValueError where the fields do not fill the descriptor's 32 bits or a field's values (one more
+    for the residual field: the plain call's code) do not fit its width: a new group size, quantizer or
+    dtype must widen its field here."""
+    total = sum(f.width for f in layout)
+    if total != kDescriptorBits:
+        raise ValueError(f"the descriptor's fields take {total} bits, not {kDescriptorBits}")
+    for f in layout:
+        needed = 0 if f.values is None else len(f.values) + (f.arg == "residual")
+        if needed > 1 << f.width:
+            raise ValueError(f"descriptor field {f.name!r}: {needed} codes do not fit its {f.width} bits; widen it "
+                             f"in echo_ds/p2p/protocol.py (DESCRIPTOR_LAYOUT)")
+
+
+check_descriptor_layout()
+_FIELDS = {f.arg: f for f in DESCRIPTOR_LAYOUT}
+_SHIFT = descriptor_shifts()
+
+
 def numel_hash(numel: int, site: Optional[int] = None, direction: Optional[str] = None) -> int:
-    """20 bits of (element count, site, direction) (Fibonacci hashing of each, mixed): equal calls give
-    equal hashes, and two calls that differ in any of them collide with probability about 2^-20."""
+    """kNumelHashBits bits of (element count, site, direction) (Fibonacci hashing of each, mixed): equal
+    calls give equal hashes, and two calls that differ in any of them collide with probability about
+    2^-kNumelHashBits."""
     h = 0
     for v in (numel, -1 if site is None else site, {None: 0, "forward": 1, "backward": 2, "eval": 3}[direction]):
         h = ((h ^ (v & 0xFFFFFFFF)) * 0x9E3779B1) & 0xFFFFFFFF
     return h >> (32 - kNumelHashBits)
 
 
+def _encode(**codes) -> int:
+    """The descriptor of {field arg: code} (absent fields 0)."""
+    return sum(code << _SHIFT[arg] for arg, code in codes.items())
+
+
+def _code(field: DescriptorField, value) -> int:
+    if value not in field.values:
+        raise ValueError(f"the call descriptor has no code for {field.arg}={value!r} (one of {field.values})")
+    return field.values.index(value)
+
+
 def call_descriptor(*, numel: int, dtype: str, bits: int, group_size: int, quantizer: str, rotation: bool,
                     pow2, residual: str, site: Optional[int] = None, direction: Optional[str] = None) -> int:
     """The 32-bit descriptor of a one-launch call (see decode_descriptor); site and direction: the
     caller's (None: not compared)."""
-    return (DESCRIPTOR_DTYPES.index(dtype) | (int(bits == 8) << 2) | (DESCRIPTOR_GROUP_SIZES.index(group_size) << 3)
-            | (DESCRIPTOR_QUANTIZERS.index(quantizer) << 5) | (int(rotation) << 7)
-            | (DESCRIPTOR_POW2.index(pow2) << 8) | (DESCRIPTOR_RESIDUALS.index(residual) << 10)
-            | (numel_hash(numel, site, direction) << 12))
-
-
-# A 16-bit (unquantized) call of the same kernel family (EchoBuffer.plain_all_reduce): dtype, the residual
-# field at 3, which no quantized call has, and the hash; the other fields 0.
-kPlainResidualCode = 3
-kPlainResidualName = "none: a 16-bit call, unquantized"
+    args = dict(dtype=dtype, bits=bits, group_size=group_size, quantizer=quantizer, rotation=rotation, pow2=pow2,
+                residual=residual)
+    codes = {f.arg: _code(f, args[f.arg]) for f in DESCRIPTOR_LAYOUT if f.values is not None}
+    return _encode(**codes, hash=numel_hash(numel, site, direction))
 
 
 def plain_call_descriptor(*, numel: int, dtype: str, site: Optional[int] = None,
                           direction: Optional[str] = None) -> int:
     """The 32-bit descriptor of a plain (unquantized) one-launch call."""
-    return (DESCRIPTOR_DTYPES.index(dtype) | (kPlainResidualCode << 10)
-            | (numel_hash(numel, site, direction) << 12))
+    return _encode(dtype=_code(_FIELDS["dtype"], dtype), residual=kPlainResidualCode,
+                   hash=numel_hash(numel, site, direction))
+
+
+def _value(field: DescriptorField, code: int):
+    if field.values is None:
+        return code
+    return field.values[code] if code < len(field.values) else f"?{code}"
 
 
 def decode_descriptor(d: int) -> dict:
-    def pick(table, i):
-        return table[i] if i < len(table) else f"?{i}"
+    """{field name: value} of a descriptor ("?i" for a code no value has); a plain call's has its dtype,
+    its compensator and its hash only."""
+    codes = {f.arg: (d >> _SHIFT[f.arg]) & f.mask for f in DESCRIPTOR_LAYOUT}
+    if codes["residual"] == kPlainResidualCode:
+        return {"dtype": _value(_FIELDS["dtype"], codes["dtype"]), _FIELDS["residual"].name: kPlainResidualName,
+                kHashField: codes["hash"]}
+    return {f.name: _value(f, codes[f.arg]) for f in DESCRIPTOR_LAYOUT}
 
-    if (d >> 10) & 3 == kPlainResidualCode:
-        return {"dtype": pick(DESCRIPTOR_DTYPES, d & 3), "compensator": kPlainResidualName, kHashField: d >> 12}
-
-    return {"dtype": pick(DESCRIPTOR_DTYPES, d & 3), "bits": 8 if (d >> 2) & 1 else 4,
-            "group_size": pick(DESCRIPTOR_GROUP_SIZES, (d >> 3) & 3), "quantizer": pick(DESCRIPTOR_QUANTIZERS, (d >> 5) & 3),
-            "rotation": bool((d >> 7) & 1), "pow2_rescale": pick(DESCRIPTOR_POW2, (d >> 8) & 3),
-            "compensator": pick(DESCRIPTOR_RESIDUALS, (d >> 10) & 3), kHashField: d >> 12}
 
 kDefaultTimeoutS = 5.0
 
