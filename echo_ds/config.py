@@ -21,11 +21,11 @@
     }
 
 Defaults: the accuracy study (docs/accuracy.md, SmolLM2-135M at P = 4) and the pretraining study
-(docs/training.md) decided them. Against the paper's method (no rotation, residual "output", gain 0.75),
-the Hadamard rotation and the "local" residual at forward gain 1.0 cut the 4-bit perplexity increase
-from +42 % to +6.8 % (2026-12-02; +8.1 % to +9.7 % on three texts on 2026-12-04) and the 8-bit one from
-+0.25 % to 0.00 %; in training, "local" had the smallest 4-bit gap. The paper's method is ``rotation: "none"`` with ``residual: "output"`` and ``gain: 0.75`` in
-both directions (ds_configs/eval/4bit_full.json).
+(docs/training.md) decided them: the Hadamard rotation and the "local" residual at forward gain 1.0 cut
+the perplexity increase of the paper's method at 4 and 8 bits (docs/accuracy.md, "What we conclude"),
+quantizer "zero_aware_int" at g = 64 is the shipped 4-bit format ("The shipped default"), and in
+training "local" had the smallest 4-bit gap. The paper's method is ``rotation: "none"`` with
+``residual: "output"`` and ``gain: 0.75`` in both directions (ds_configs/eval/4bit_full.json).
 
 The models are DeepSpeed's own ``DeepSpeedConfigModel`` (pydantic, unknown keys forbidden). Every invalid
 value raises :class:`EchoConfigError` with the key's dotted path, the value and what is allowed.
