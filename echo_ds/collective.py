@@ -20,16 +20,17 @@ Arguments. A custom op takes tensors, ints, floats, bools and strings, so
 * the quantizer spec as its four fields, ``pow2_rescale`` as its code (``algorithm.pow2_code``),
   direction, site and timeout as optional scalars;
 * the compensator as an int handle (``id(compensator)``, see :func:`handle`) into a weak registry of
-  this module, and its state tensors (m1, m2 and, for the integer formats, the exponents) as arguments
-  the op mutates in place (``mutates_args``).
+  this module, and its state tensors (``compensator.state_names``: m1 and m2, "int8" adds the exponents,
+  "int4" holds q and the exponents) as arguments the op mutates in place (``mutates_args``).
 
 Why a handle rather than the compensator's coefficients as floats: the body needs the object itself
 (its residual choice, its telemetry list, its call counter, its resize rule); rebuilding one from floats
 would copy those rules into a second place. Why the state tensors travel nevertheless: the compiler must
 see the in-place update, so that calls sharing a state stay in order and none is merged or dropped; and
 under ``torch.compile`` the tensors the body receives may be the compiler's own (a functionalized copy
-it writes back afterwards), so the body computes on them, not on ``compensator.m1``. The state is
-allocated (``Compensator._ensure``) before the op with the call's shape, so the body never reallocates it.
+it writes back afterwards), so the body computes on them (set on the compensator for the call). The
+state is allocated (``Compensator._ensure``) before the op with the call's shape, so the body never
+reallocates it.
 
 Why two ops: an op whose only mutable argument is an empty list does not compile (torch 2.13's inductor
 fails on it), and an op without mutable arguments is pure to the compiler, which may merge two identical
@@ -55,9 +56,6 @@ from echo_ds.quant import QuantSpec
 
 __all__ = ["all_reduce", "register_backend", "unregister_backend", "drop_backend", "backend_for", "reference_only",
            "handle", "resolve", "group_name", "ordered"]
-
-# The compensator's state tensors, in the order the op receives them (exponent: integer formats only).
-_STATE_ATTRS = ("m1", "m2", "exponent")
 
 # Objects the ops refer to by handle (id(obj)); weak: an object dies when its owner drops it, and
 # torch.compile drops code that guarded on it (its ID_MATCH guard holds a finalizer).
@@ -167,7 +165,7 @@ def all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.ProcessGro
                                             pow2, direction, site, timeout_s)
     # NOTE: allocated here, outside the op, with the shape the call needs (see the module docstring).
     compensator._ensure(state_shape(x.numel(), dist.get_world_size(group), spec.group_size), x.device)
-    state = [getattr(compensator, a) for a in _STATE_ATTRS if getattr(compensator, a, None) is not None]
+    state = [getattr(compensator, a) for a in compensator.state_names]
     return torch.ops.echo_ds.all_reduce_compensated(x, state, name, spec.bits, spec.group_size, spec.quantizer,
                                                     spec.rotation, pow2, direction, site, timeout_s,
                                                     handle(compensator))
@@ -180,8 +178,11 @@ def _run(x: torch.Tensor, state: List[torch.Tensor], group: str, bits: int, grou
     spec = QuantSpec(bits, group_size, quantizer, rotation)
     pow2 = A.POW2_MODES[pow2_rescale]
     comp = None if compensator == 0 else resolve(compensator)
-    names = _STATE_ATTRS[:len(state)]
-    held = [getattr(comp, a, None) for a in names]
+    names = () if comp is None else comp.state_names
+    if len(state) != len(names):
+        raise ValueError(f"echo_ds::all_reduce_compensated: {len(state)} state tensors for a compensator that "
+                         f"holds {len(names)} ({', '.join(names)}); pass them in the order of its state_names")
+    held = [getattr(comp, a) for a in names]
     if comp is not None:  # compute on the tensors the op was given (the same objects in eager mode)
         for a, t in zip(names, state):
             setattr(comp, a, t)
@@ -217,8 +218,8 @@ def _all_reduce_op(x: torch.Tensor, group: str, bits: int, group_size: int, quan
 def _all_reduce_compensated_op(x: torch.Tensor, state: List[torch.Tensor], group: str, bits: int, group_size: int,
                                quantizer: str, rotation: bool, pow2_rescale: int, direction: Optional[str],
                                site: Optional[int], timeout_s: Optional[float], compensator: int) -> torch.Tensor:
-    """The same with the compensator of handle ``compensator``, whose state tensors ``state`` (m1, m2[,
-    exponent]) it updates in place."""
+    """The same with the compensator of handle ``compensator``, whose state tensors ``state`` (in the order
+    of its ``state_names``) it updates in place."""
     return _run(x, state, group, bits, group_size, quantizer, rotation, pow2_rescale, direction, site, timeout_s,
                 compensator)
 

@@ -56,10 +56,14 @@ group's largest value, every multiplication by 2^+-E is exact, and a value past 
 saturates (only the group's largest one can, by less than a step). The state stays bounded: a stored
 value exceeds the largest unrounded one by at most half a step. Zero and subnormal groups store E = -126,
 so equal states have equal bytes. The rounding is
-per group, as the quantizer's, so the kernels can form a and E with the same lane reduction. Bytes per
-element stored (:func:`state_bytes_per_element`): "int8" 2 + 1/g, "int4" 1 + 1/g (q1 in the low nibble and
-q2 in the high nibble of one byte, :func:`pack_int4`), against 4 for "bf16"; a call moves twice that.
-Measured in docs/kernels.md, "Compensator state dtype" (benchmarks/state_narrow_study.py).
+per group, as the quantizer's, so the kernels can form a and E with the same lane reduction.
+
+The tensors held (``Compensator.state_names``) are the bytes the kernels hold, so a transport hands them
+over without conversion: "bf16" m1 and m2 (bf16); "int8" m1 and m2 (int8 codes) and ``exponent`` (int8
+per group); "int4" ``q`` (uint8, one byte per element: q1 in the low nibble, q2 in the high,
+:func:`pack_int4` / :func:`unpack_int4`; a nibble is never -8) and ``exponent``. Bytes per element stored
+(:func:`state_bytes_per_element`): "int8" 2 + 1/g, "int4" 1 + 1/g, against 4 for "bf16"; a call moves
+twice that. Measured in docs/kernels.md, "Compensator state dtype" (benchmarks/state_narrow_study.py).
 """
 
 from __future__ import annotations
@@ -74,8 +78,15 @@ from echo_ds.quant import f32
 # The stored format of m1 and m2 under state_dtype "bf16" (see "Storage" above); the kernels hold it as
 # 16-bit patterns.
 kStateDtype = torch.bfloat16
-# Bits per value of the integer formats (their codes are held as int8 here, one per value).
+# Bits per value of the integer formats.
 kStateBits = {"int8": 8, "int4": 4}
+# The tensors each format holds, in order (Compensator attributes, state_dict keys, the custom op's state
+# list), and their dtypes; every one has the state's shape except the exponents (one per group: its last
+# axis dropped).
+kStateTensorDtypes = {"bf16": {"m1": kStateDtype, "m2": kStateDtype},
+                      "int8": {"m1": torch.int8, "m2": torch.int8, "exponent": torch.int8},
+                      "int4": {"q": torch.uint8, "exponent": torch.int8}}
+kStateNames = {state_dtype: tuple(dtypes) for state_dtype, dtypes in kStateTensorDtypes.items()}
 # The exponent range of the integer formats: every 2^E and 2^-E is a normal fp32 (exact products).
 kMinStateExp, kMaxStateExp = -126, 126
 
@@ -117,19 +128,29 @@ def decode_state(q: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(q1: torch.Tensor, q2: torch.Tensor) -> torch.Tensor:
-    """The "int4" state's bytes as the kernels hold them: q1 in the low nibble, q2 in the high (uint8)."""
+    """Codes q1, q2 (int8 in [-7, 7]) -> the "int4" state's bytes: q1 in the low nibble, q2 in the high (uint8)."""
     return ((q1.to(torch.int32) & 0xF) | ((q2.to(torch.int32) & 0xF) << 4)).to(torch.uint8)
+
+
+def unpack_int4(q: torch.Tensor):
+    """The "int4" state's bytes (uint8) -> (q1, q2): its low and high nibbles, sign-extended to int8."""
+    b = q.to(torch.int32)
+    nibbles = (b & 0xF, b >> 4)
+    return tuple((n - ((n & 0x8) << 1)).to(torch.int8) for n in nibbles)  # two's complement: 8..15 -> -8..-1
 
 
 class Compensator:
     """The (m1, m2) state of one pass direction on one rank (or on P emulated ranks).
 
     The state has the shape of the collective's padded segments (``batch_shape + (P, G, g)``,
-    ``batch_shape = (P,)`` in the emulator). Under ``state_dtype`` "bf16" m1 and m2 are ``kStateDtype``
-    tensors; under "int8" / "int4" they are int8 codes and ``exponent`` (int8, one per group: shape
-    ``batch_shape + (P, G)``) their steps (:meth:`values` decodes). It is allocated as zeros at the first
-    call after :meth:`reset`, and re-allocated (a warning-free reset) when a call's length differs from the
-    state's: an error estimate of another shape cannot be fed back.
+    ``batch_shape = (P,)`` in the emulator) and is held as the tensors named by :attr:`state_names`
+    (module docstring, "Storage"): under ``state_dtype`` "bf16" ``m1`` and ``m2``, ``kStateDtype`` of that
+    shape; under "int8" ``m1`` and ``m2``, int8 codes of that shape; under "int4" ``q``, uint8 of that
+    shape (both codes of an element in one byte, :func:`pack_int4`), with ``m1`` and ``m2`` None; under
+    either integer format ``exponent``, int8 of shape ``batch_shape + (P, G)``, the groups' steps.
+    :meth:`values` decodes. The state is allocated as zeros at the first call after :meth:`reset`, and
+    re-allocated (a warning-free reset) when a call's length differs from the state's: an error estimate
+    of another shape cannot be fed back.
     """
 
     def __init__(self, cfg: DirectionConfig, telemetry: bool = False):
@@ -146,35 +167,46 @@ class Compensator:
         self.residual = cfg.residual
         self.state_dtype = cfg.state_dtype
         self.telemetry = telemetry
-        self.m1: Optional[torch.Tensor] = None
-        self.m2: Optional[torch.Tensor] = None
-        self.exponent: Optional[torch.Tensor] = None  # "int8" / "int4" only
+        self.m1: Optional[torch.Tensor] = None  # "bf16" / "int8"
+        self.m2: Optional[torch.Tensor] = None  # "bf16" / "int8"
+        self.q: Optional[torch.Tensor] = None  # "int4"
+        self.exponent: Optional[torch.Tensor] = None  # "int8" / "int4"
         self.num_calls = 0  # calls since the last reset
         self.num_resizes = 0
         self.revealed_error_norms: List[float] = []
 
+    @property
+    def state_names(self) -> tuple:
+        """The attributes holding the state under this ``state_dtype``, in the custom op's order."""
+        return kStateNames[self.state_dtype]
+
+    def _held(self) -> Optional[torch.Tensor]:
+        """The first state tensor (it has the state's shape), or None before the first call."""
+        return getattr(self, self.state_names[0])
+
     def reset(self) -> None:
         """Start a new pass: the averages restart from zero."""
-        self.m1 = None
-        self.m2 = None
-        self.exponent = None
+        for name in self.state_names:
+            setattr(self, name, None)
         self.num_calls = 0
 
     def _ensure(self, shape, device) -> None:
-        if self.m1 is None or self.m1.shape != shape or self.m1.device != torch.device(device):
-            if self.m1 is not None:
+        held = self._held()
+        if held is None or held.shape != shape or held.device != torch.device(device):
+            if held is not None:
                 self.num_resizes += 1
-            dtype = kStateDtype if self.state_dtype == "bf16" else torch.int8
-            self.m1 = torch.zeros(shape, dtype=dtype, device=device)
-            self.m2 = torch.zeros(shape, dtype=dtype, device=device)
-            if self.state_dtype != "bf16":
-                self.exponent = torch.full(tuple(shape)[:-1], kMinStateExp, dtype=torch.int8, device=device)
+            for name, dtype in kStateTensorDtypes[self.state_dtype].items():
+                if name == "exponent":
+                    setattr(self, name, torch.full(tuple(shape)[:-1], kMinStateExp, dtype=dtype, device=device))
+                else:  # zero codes (both nibbles of a zero byte too)
+                    setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
 
     def values(self):
         """(m1, m2) as the arithmetic reads them: fp32, exact (bf16 widened, or integers times 2^E)."""
         if self.state_dtype == "bf16":
             return self.m1.float(), self.m2.float()
-        return decode_state(self.m1, self.exponent), decode_state(self.m2, self.exponent)
+        q1, q2 = unpack_int4(self.q) if self.state_dtype == "int4" else (self.m1, self.m2)
+        return decode_state(q1, self.exponent), decode_state(q2, self.exponent)
 
     def correction(self, shape, device) -> torch.Tensor:
         """c = gain * (blend * m1 + (1 - blend) * m2), fp32 of ``shape``."""
@@ -190,9 +222,10 @@ class Compensator:
         m = store((m * decay) + (u * (1 - decay))): fp32 arithmetic, one rounding when stored (bf16:
         :func:`store_state`; "int8" / "int4": non-finite -> +0, then :func:`encode_state` per group).
         """
-        if self.m1 is None or u.shape != self.m1.shape:
+        held = self._held()
+        if held is None or u.shape != held.shape:
             raise RuntimeError(f"Compensator.update: residual of shape {tuple(u.shape)} without a matching "
-                               f"correction (state {None if self.m1 is None else tuple(self.m1.shape)})")
+                               f"correction (state {None if held is None else tuple(held.shape)})")
         u = u.detach()
         m1, m2 = self.values()
         n1 = m1 * self.slow_decay + u * self.one_minus_slow
@@ -203,64 +236,82 @@ class Compensator:
         else:
             finite = (lambda n: torch.where(torch.isfinite(n), n, torch.zeros((), device=n.device)))
             q1, q2, exponent = encode_state(finite(n1), finite(n2), kStateBits[self.state_dtype])
-            self.m1.copy_(q1)
-            self.m2.copy_(q2)
+            if self.state_dtype == "int4":
+                self.q.copy_(pack_int4(q1, q2))
+            else:
+                self.m1.copy_(q1)
+                self.m2.copy_(q2)
             self.exponent.copy_(exponent)
         self.num_calls += 1
 
     def record(self, revealed_error_norm: float) -> None:
         self.revealed_error_norms.append(float(revealed_error_norm))
 
-    def _keys(self) -> tuple:
-        return ("m1", "m2", "num_calls") if self.state_dtype == "bf16" else ("m1", "m2", "exponent", "num_calls")
-
     def state_dict(self) -> dict:
-        """A copy of the state (m1, m2: bf16 tensors or None; num_calls; under "int8" / "int4" m1, m2 are
-        int8 codes and "exponent" their per-group exponents)."""
-        copy = (lambda t: None if t is None else t.detach().clone())
-        sd = {"m1": copy(self.m1), "m2": copy(self.m2), "num_calls": self.num_calls}
-        if self.state_dtype != "bf16":
-            sd["exponent"] = copy(self.exponent)
+        """A copy of the state: the tensors of :attr:`state_names` (each a tensor, or all None before the
+        first call) and num_calls."""
+        sd = {}
+        for name in self.state_names:
+            t = getattr(self, name)
+            sd[name] = None if t is None else t.detach().clone()
+        sd["num_calls"] = self.num_calls
         return sd
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned (copied in; validated: keys, dtype, matching shapes)."""
-        keys = self._keys()
+        """Restore what :meth:`state_dict` returned (copied in; validated: keys, dtypes, shapes, devices,
+        codes and exponents in range)."""
+        names = self.state_names
+        keys = names + ("num_calls",)
         missing = set(keys) - set(state)
         unknown = set(state) - set(keys)
         if missing or unknown:
             raise ValueError(f"Compensator.load_state_dict: missing keys {sorted(missing)}, "
                              f"unknown keys {sorted(unknown)} (expected {', '.join(keys)} for state_dtype "
                              f"{self.state_dtype!r})")
-        m1, m2, num_calls = state["m1"], state["m2"], state["num_calls"]
-        exponent = state.get("exponent")
+        num_calls = state["num_calls"]
         if not isinstance(num_calls, int) or isinstance(num_calls, bool) or num_calls < 0:
             raise ValueError(f"Compensator.load_state_dict: num_calls={num_calls!r} must be an int >= 0")
-        if (m1 is None) != (m2 is None) or (self.state_dtype != "bf16" and (m1 is None) != (exponent is None)):
-            what = ("m1 and m2 must both be tensors or both None" if self.state_dtype == "bf16"
-                    else "m1, m2 and exponent must all be tensors or all None")
-            raise ValueError(f"Compensator.load_state_dict: {what}")
-        if m1 is not None:
-            dtype = kStateDtype if self.state_dtype == "bf16" else torch.int8
-            for name, t in (("m1", m1), ("m2", m2)) + ((("exponent", exponent),) if exponent is not None else ()):
-                if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-                    raise ValueError(f"Compensator.load_state_dict: {name} must be a {dtype} tensor, got "
-                                     f"{getattr(t, 'dtype', type(t).__name__)}")
-            if m1.shape != m2.shape or m1.device != m2.device:
-                raise ValueError(f"Compensator.load_state_dict: m1 {tuple(m1.shape)} on {m1.device} and m2 "
-                                 f"{tuple(m2.shape)} on {m2.device} must match")
-            if exponent is not None:
-                qmax = 2 ** (kStateBits[self.state_dtype] - 1) - 1
-                if exponent.shape != m1.shape[:-1] or exponent.device != m1.device:
-                    raise ValueError(f"Compensator.load_state_dict: exponent {tuple(exponent.shape)} must have "
-                                     f"m1's shape without its last axis, {tuple(m1.shape[:-1])}, on {m1.device}")
-                if max(m1.abs().max().item(), m2.abs().max().item()) > qmax or \
-                        not bool(((exponent >= kMinStateExp) & (exponent <= kMaxStateExp)).all()):
-                    raise ValueError(f"Compensator.load_state_dict: codes must lie in [-{qmax}, {qmax}] and "
-                                     f"exponents in [{kMinStateExp}, {kMaxStateExp}] for {self.state_dtype!r}")
-                exponent = exponent.detach().clone()
-            m1, m2 = m1.detach().clone(), m2.detach().clone()
-        self.m1, self.m2, self.exponent, self.num_calls = m1, m2, exponent, num_calls
+        tensors = {name: state[name] for name in names}
+        num_none = sum(t is None for t in tensors.values())
+        if 0 < num_none < len(names):
+            listed = f"{', '.join(names[:-1])} and {names[-1]}"
+            both = "both" if len(names) == 2 else "all"
+            raise ValueError(f"Compensator.load_state_dict: {listed} must {both} be tensors or {both} None")
+        if num_none == 0:
+            self._check_tensors(tensors)
+            tensors = {name: t.detach().clone() for name, t in tensors.items()}
+        for name, t in tensors.items():
+            setattr(self, name, t)
+        self.num_calls = num_calls
+
+    def _check_tensors(self, tensors: dict) -> None:
+        """load_state_dict's checks of the state tensors (all present): dtypes, shapes, devices, ranges."""
+        for name, dtype in kStateTensorDtypes[self.state_dtype].items():
+            t = tensors[name]
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+                raise ValueError(f"Compensator.load_state_dict: {name} must be a {dtype} tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)}")
+        first = self.state_names[0]
+        lead = tensors[first]
+        m2 = tensors.get("m2")
+        if m2 is not None and (m2.shape != lead.shape or m2.device != lead.device):
+            raise ValueError(f"Compensator.load_state_dict: m1 {tuple(lead.shape)} on {lead.device} and m2 "
+                             f"{tuple(m2.shape)} on {m2.device} must match")
+        if self.state_dtype == "bf16":
+            return
+        exponent = tensors["exponent"]
+        if exponent.shape != lead.shape[:-1] or exponent.device != lead.device:
+            raise ValueError(f"Compensator.load_state_dict: exponent {tuple(exponent.shape)} on {exponent.device} "
+                             f"must have {first}'s shape without its last axis, {tuple(lead.shape[:-1])}, on "
+                             f"{lead.device}")
+        qmax = 2 ** (kStateBits[self.state_dtype] - 1) - 1
+        codes = unpack_int4(tensors["q"]) if self.state_dtype == "int4" else (tensors["m1"], tensors["m2"])
+        in_range = (lambda t, lo, hi: bool(((t >= lo) & (t <= hi)).all()))
+        if not all(in_range(c, -qmax, qmax) for c in codes) or \
+                not in_range(exponent, kMinStateExp, kMaxStateExp):
+            where = " (both nibbles of q; a nibble of -8 is no code)" if self.state_dtype == "int4" else ""
+            raise ValueError(f"Compensator.load_state_dict: codes must lie in [-{qmax}, {qmax}]{where} and "
+                             f"exponents in [{kMinStateExp}, {kMaxStateExp}] for {self.state_dtype!r}")
 
 
 def make_compensator(cfg: DirectionConfig, telemetry: bool = False) -> Optional[Compensator]:

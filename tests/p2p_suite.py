@@ -288,10 +288,9 @@ def check_narrow_state(buf, rank, P, device, n=4097):
             expected = spec_on_device(parts, spec, comp_emul)
             what = f"state_dtype={state_dtype} call {call}: rank {rank}"
             assert same_bits(y, expected), f"{what}: output differs from the emulator"
-            for name in ("m1", "m2", "exponent"):
-                mine, spec_state = getattr(comp, name, None), getattr(comp_emul, name, None)
-                if isinstance(mine, torch.Tensor):
-                    assert torch.equal(mine, spec_state[rank]), f"{what}: {name} differs from the emulator's"
+            for name in comp.state_names:  # "int4": q (packed codes) and exponent; "int8": m1, m2, exponent
+                assert torch.equal(getattr(comp, name), getattr(comp_emul, name)[rank]), \
+                    f"{what}: {name} differs from the emulator's"
             num += 1
     return num
 

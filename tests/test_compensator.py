@@ -10,7 +10,7 @@ import torch
 from echo_ds import algorithm as A
 from echo_ds import compensator as C
 from echo_ds.compensator import Compensator, kStateDtype, store_state
-from echo_ds.config import DirectionConfig, EchoConfig
+from echo_ds.config import STATE_DTYPES, DirectionConfig, EchoConfig
 from echo_ds.emulate import CompensatedAllReduce
 
 
@@ -206,30 +206,37 @@ def test_narrow_update_is_the_fp32_expression_encoded_per_group(state_dtype):
     gen = torch.Generator().manual_seed(2)
     shape = (2, 4, 16, 64)
     comp.correction(shape, "cpu")
-    assert comp.m1.dtype == torch.int8 and comp.exponent.shape == shape[:-1]
+    assert comp.exponent.dtype == torch.int8 and comp.exponent.shape == shape[:-1]
     for _ in range(3):  # a few updates, so the old state is not zero
         u = torch.randn(shape, generator=gen) * torch.rand(shape[:-1] + (1,), generator=gen)
         m1, m2 = comp.values()
-        expected = C.encode_state(m1 * comp.slow_decay + u * comp.one_minus_slow,
-                                  m2 * comp.fast_decay + u * comp.one_minus_fast, C.kStateBits[state_dtype])
+        q1, q2, exponent = C.encode_state(m1 * comp.slow_decay + u * comp.one_minus_slow,
+                                          m2 * comp.fast_decay + u * comp.one_minus_fast, C.kStateBits[state_dtype])
         comp.update(u)
-        for got, want in zip((comp.m1, comp.m2, comp.exponent), expected):
-            assert torch.equal(got, want)
+        codes = (C.pack_int4(q1, q2),) if state_dtype == "int4" else (q1, q2)
+        for name, want in zip(comp.state_names, codes + (exponent,)):
+            assert torch.equal(getattr(comp, name), want), name
     # The correction reads the decoded values, in the bf16 path's order.
     m1, m2 = comp.values()
     assert torch.equal(comp.correction(shape, "cpu"), (m1 * comp.blend + m2 * comp.one_minus_blend) * comp.gain)
 
 
 def test_narrow_update_zeroes_non_finite_values_only():
-    comp = make(state_dtype="int4")
-    comp.correction((2, 64), "cpu")
-    u = torch.randn(2, 64)
-    u[0, 5] = float("nan")
-    u[1, 7] = float("inf")
-    comp.update(u)
+    # A residual with NaN and inf stores what the same residual with zeros there stores: the rest of the
+    # group keeps its estimate (its exponent included).
+    gen = torch.Generator().manual_seed(4)
+    u = torch.randn(2, 64, generator=gen)
+    bad = u.clone()
+    bad[0, 5], bad[1, 7] = float("nan"), float("inf")
+    u[0, 5], u[1, 7] = 0.0, 0.0
+    comp, clean = make(state_dtype="int4"), make(state_dtype="int4")
+    for c, residual in ((comp, bad), (clean, u)):
+        c.correction((2, 64), "cpu")
+        c.update(residual)
+    assert all(torch.equal(getattr(comp, n), getattr(clean, n)) for n in comp.state_names)
     m1, m2 = comp.values()
     assert m1[0, 5] == 0 and m2[1, 7] == 0 and torch.isfinite(m1).all() and torch.isfinite(m2).all()
-    assert (m1[0] != 0).sum() > 32  # the rest of the group kept its estimate
+    assert (m2[0] != 0).sum() > 32  # the state moved: the comparison is not of zeros
 
 
 def test_state_bytes_per_element():
@@ -238,16 +245,41 @@ def test_state_bytes_per_element():
     assert C.state_bytes_per_element("int4", 64) == 1 + 1 / 64
     with pytest.raises(ValueError, match="state_dtype='fp8'"):
         C.state_bytes_per_element("fp8", 64)
-    # What the reference holds: int8 codes, one per value (the kernels pack int4 two to a byte), and
+
+
+
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_the_reference_holds_the_bytes_per_element_it_states(state_dtype):
+    # The tensors of state_names, as the kernels hold them: "int4" one uint8 per element (both codes) and
     # one int8 exponent per group.
-    op = CompensatedAllReduce(2, EchoConfig(forward={"state_dtype": "int4"}))
-    op(torch.randn(2, 10_000))
-    padded = A.Layout(10_000, 2, EchoConfig().group_size).padded_numel
+    P, n = 2, 10_000
+    op = CompensatedAllReduce(P, EchoConfig(forward={"state_dtype": state_dtype}))
+    op(torch.randn(P, n))
     comp = op.compensator
-    assert comp.m1.numel() == 2 * padded and comp.exponent.numel() == 2 * padded // 64
-    packed = C.pack_int4(comp.m1, comp.m2)
-    assert packed.dtype == torch.uint8 and packed.numel() * 1 + comp.exponent.numel() == \
-        C.state_bytes_per_element("int4", 64) * 2 * padded
+    g = EchoConfig().group_size
+    shape = (P, P, A.Layout(n, P, g).groups_per_segment, g)  # the emulator's batch of P ranks
+    held = {name: getattr(comp, name) for name in comp.state_names}
+    assert {name: t.dtype for name, t in held.items()} == C.kStateTensorDtypes[state_dtype]
+    for name, t in held.items():
+        assert t.shape == (shape[:-1] if name == "exponent" else shape), name
+    assert sum(t.numel() * t.element_size() for t in held.values()) == \
+        C.state_bytes_per_element(state_dtype, g) * (P * P * shape[2] * g)
+    if state_dtype == "int4":
+        assert comp.state_names == ("q", "exponent") and comp.m1 is None and comp.m2 is None
+    else:
+        assert comp.q is None
+
+
+def test_int4_holds_q_and_exponent_through_reset_and_resize():
+    comp = make(state_dtype="int4")
+    comp.correction((2, 3, 64), "cpu")
+    assert comp.q.dtype == torch.uint8 and not comp.q.any()  # zero codes in both nibbles
+    assert bool((comp.exponent == C.kMinStateExp).all())  # as encode_state stores a zero group
+    comp.update(torch.randn(2, 3, 64))
+    comp.correction((2, 5, 64), "cpu")  # another length: a new zero state
+    assert comp.num_resizes == 1 and comp.q.shape == (2, 5, 64) and not comp.q.any()
+    comp.reset()
+    assert comp.q is None and comp.exponent is None and comp.num_calls == 0
 
 
 def test_pack_int4_nibbles():
@@ -261,29 +293,124 @@ def test_pack_int4_nibbles():
     assert torch.equal(torch.where(hi > 7, hi - 16, hi).to(torch.int8), q2)
 
 
-def test_narrow_state_dict_round_trips_and_is_validated():
+def test_unpack_int4_inverts_pack_int4_over_every_pair_of_codes():
+    codes = torch.arange(-7, 8, dtype=torch.int8)
+    q1, q2 = torch.meshgrid(codes, codes, indexing="ij")  # all 15 x 15 pairs
+    packed = C.pack_int4(q1, q2)
+    assert packed.dtype == torch.uint8 and packed.unique().numel() == 15 * 15
+    back1, back2 = C.unpack_int4(packed)
+    assert back1.dtype == back2.dtype == torch.int8
+    assert torch.equal(back1, q1) and torch.equal(back2, q2)
+    # Every byte decodes to its two nibbles, sign-extended (0x8 to -8, no code of the format).
+    every = torch.arange(256)
+    signed = (lambda n: torch.where(n > 7, n - 16, n))
+    lo, hi = C.unpack_int4(every.to(torch.uint8))
+    assert torch.equal(lo.long(), signed(every % 16)) and torch.equal(hi.long(), signed(every // 16))
+
+
+def _old_int4_run(comp, us):
+    """The "int4" update as it was before the state was held packed: int8 codes q1, q2 (one per value),
+    decoded and encoded with the same functions. Returns the correction of every call and the codes."""
+    shape = us[0].shape
+    q1 = torch.zeros(shape, dtype=torch.int8)
+    q2 = torch.zeros(shape, dtype=torch.int8)
+    exponent = torch.full(shape[:-1], C.kMinStateExp, dtype=torch.int8)
+    corrections = []
+    for u in us:
+        m1, m2 = C.decode_state(q1, exponent), C.decode_state(q2, exponent)
+        corrections.append((m1 * comp.blend + m2 * comp.one_minus_blend) * comp.gain)
+        n1 = m1 * comp.slow_decay + u * comp.one_minus_slow
+        n2 = m2 * comp.fast_decay + u * comp.one_minus_fast
+        finite = (lambda n: torch.where(torch.isfinite(n), n, torch.zeros(())))
+        q1, q2, exponent = C.encode_state(finite(n1), finite(n2), 4)
+    return corrections, q1, q2, exponent
+
+
+def test_packed_int4_state_has_the_numbers_of_the_int8_codes_it_replaced():
+    comp = make(gain=0.9, blend=0.3, slow_decay=0.8, fast_decay=0.3, state_dtype="int4")
+    gen = torch.Generator().manual_seed(11)
+    shape = (3, 16, 64)
+    us = [torch.randn(shape, generator=gen) * torch.logspace(-20, 20, 16)[:, None] for _ in range(6)]
+    us[3][1, 2, 5] = float("nan")
+    want, q1, q2, exponent = _old_int4_run(comp, us)
+    for u, c_want in zip(us, want):
+        c = comp.correction(shape, "cpu")
+        assert torch.equal(c.view(torch.int32), c_want.view(torch.int32))
+        comp.update(u)
+    assert torch.equal(comp.q, C.pack_int4(q1, q2)) and torch.equal(comp.exponent, exponent)
+    m1, m2 = comp.values()
+    assert torch.equal(m1, C.decode_state(q1, exponent)) and torch.equal(m2, C.decode_state(q2, exponent))
+    assert bool((q1 != 0).any() and (q2 != 0).any())  # the state moved: the comparison is not of zeros
+
+
+def _with_nibble(q: torch.Tensor, high: bool) -> torch.Tensor:
+    """q with one byte's low (or high) nibble set to 0x8, the -8 that no "int4" code is."""
+    q = q.clone()
+    flat = q.view(-1)
+    flat[5] = (int(flat[5]) & 0x0F) | 0x80 if high else (int(flat[5]) & 0xF0) | 0x08
+    return q
+
+
+def test_int4_state_dict_round_trips_and_is_validated():
     op = CompensatedAllReduce(2, EchoConfig(forward={"state_dtype": "int4"}))
     op(torch.randn(2, 1000))
     comp = op.compensator
     sd = comp.state_dict()
-    assert set(sd) == {"m1", "m2", "exponent", "num_calls"}
+    assert set(sd) == {"q", "exponent", "num_calls"} and sd["q"].dtype == torch.uint8
     other = make(state_dtype="int4")
     other.load_state_dict(sd)
+    assert torch.equal(other.q, comp.q) and torch.equal(other.exponent, comp.exponent)
     assert all(torch.equal(a, b) for a, b in zip(other.values(), comp.values()))
+    sd["q"].fill_(0x11)
+    assert not torch.equal(other.q, sd["q"]), "load_state_dict must copy in"
     sd["exponent"].fill_(3)
     assert not torch.equal(comp.exponent, sd["exponent"]), "state_dict must not hand out the live tensors"
+    empty = make(state_dtype="int4")
+    empty.load_state_dict(make(state_dtype="int4").state_dict())  # a fresh state (None, None, 0)
+    assert empty.q is None and empty.exponent is None and empty.num_calls == 0
+    codes = "codes must lie in \\[-7, 7\\] \\(both nibbles of q"
     for change, match in (
             (lambda d: d.pop("exponent"), "missing keys \\['exponent'\\]"),
+            (lambda d: d.update(m1=d["q"]), "unknown keys \\['m1'\\]"),
+            (lambda d: d.update(q=d["q"].view(torch.int8)), "q must be a torch.uint8 tensor, got torch.int8"),
+            (lambda d: d.update(exponent=d["exponent"].to(torch.int16)), "exponent must be a torch.int8 tensor"),
+            (lambda d: d.update(q=_with_nibble(d["q"], high=False)), codes),
+            (lambda d: d.update(q=_with_nibble(d["q"], high=True)), codes),
+            (lambda d: d.update(exponent=d["exponent"].fill_(C.kMaxStateExp + 1)), "exponents in \\[-126, 126\\]"),
+            (lambda d: d.update(exponent=d["exponent"].fill_(C.kMinStateExp - 1)), "exponents in \\[-126, 126\\]"),
+            (lambda d: d.update(exponent=d["exponent"][..., :-1]), "exponent .* must have q's shape"),
+            (lambda d: d.update(exponent=d["exponent"].to("meta")), "exponent .* on meta must have q's shape"),
+            (lambda d: d.update(exponent=None), "q and exponent must both be tensors or both None")):
+        bad = comp.state_dict()
+        change(bad)
+        with pytest.raises(ValueError, match=match):
+            make(state_dtype="int4").load_state_dict(bad)
+    with pytest.raises(ValueError, match="unknown keys \\['exponent', 'q'\\]"):
+        make().load_state_dict(comp.state_dict())  # an int4 state into a bf16 compensator
+    with pytest.raises(ValueError, match="missing keys \\['m1', 'm2'\\], unknown keys \\['q'\\]"):
+        make(state_dtype="int8").load_state_dict(comp.state_dict())
+
+
+def test_int8_state_dict_round_trips_and_is_validated():
+    op = CompensatedAllReduce(2, EchoConfig(forward={"state_dtype": "int8"}))
+    op(torch.randn(2, 1000))
+    comp = op.compensator
+    sd = comp.state_dict()
+    assert set(sd) == {"m1", "m2", "exponent", "num_calls"}
+    other = make(state_dtype="int8")
+    other.load_state_dict(sd)
+    assert all(torch.equal(getattr(other, n), getattr(comp, n)) for n in comp.state_names)
+    smallest = (lambda t: t.clone().view(-1).index_fill_(0, torch.tensor([3]), -128).view(t.shape))
+    for change, match in (
             (lambda d: d.update(m1=d["m1"].to(torch.bfloat16)), "m1 must be a torch.int8 tensor"),
-            (lambda d: d.update(m2=d["m2"] * 2), "codes must lie in \\[-7, 7\\]"),
+            (lambda d: d.update(m2=smallest(d["m2"])), "codes must lie in \\[-127, 127\\] and"),
+            (lambda d: d.update(m2=d["m2"][:-1]), "m1 .* and m2 .* must match"),
             (lambda d: d.update(exponent=d["exponent"][..., :-1]), "exponent .* must have m1's shape"),
             (lambda d: d.update(exponent=None), "m1, m2 and exponent must all be tensors or all None")):
         bad = comp.state_dict()
         change(bad)
         with pytest.raises(ValueError, match=match):
-            make(state_dtype="int4").load_state_dict(bad)
-    with pytest.raises(ValueError, match="unknown keys \\['exponent'\\]"):
-        make().load_state_dict(comp.state_dict())  # a narrow state into a bf16 compensator
+            make(state_dtype="int8").load_state_dict(bad)
 
 
 @pytest.mark.parametrize("state_dtype", ("int8", "int4"))
@@ -299,3 +426,24 @@ def test_narrow_state_steps_follow_each_groups_magnitude(state_dtype):
     a = m1.abs().amax(-1)
     assert bool((a <= 2 ** (C.kStateBits[state_dtype] - 1) * step).all())
     assert float(step.max() / step.min()) > 1e3  # a step per group, not per tensor
+
+
+@pytest.mark.parametrize("state_dtype", ("int4", "int8"))
+def test_the_staged_kernels_refuse_a_narrow_state_before_any_stage(state_dtype):
+    # The staged kernels take bf16 m1, m2 alone; "int4" holds neither (its Nones must not pass for "no
+    # compensator"). The schedule refuses at begin(), before a flag is raised; the policy routes a
+    # narrow state elsewhere (echo_ds.p2p.policy.call_decision).
+    from echo_ds.ops import kernels as K
+    from echo_ds.p2p.stages import KernelSchedule
+
+    sched = object.__new__(KernelSchedule)  # begin() needs the kernels' module only, no transport
+    sched.ops = K
+    x = torch.randn(256)
+    comp = make(state_dtype=state_dtype)
+    comp.correction((2, 2, 64), "cpu")
+    names = ", ".join(comp.state_names)
+    with pytest.raises(K.UnsupportedStateDtype, match=f"state_dtype '{state_dtype}' \\({names}\\)"):
+        sched.begin(x, torch.empty_like(x), comp, False)
+    bf16 = make()
+    sched.begin(x, torch.empty_like(x), bf16, False)
+    assert sched._state()["m1"] is bf16.m1

@@ -38,6 +38,43 @@ def _equal(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
+def _int4_through_the_op(xs, spec):
+    """torch.ops.echo_ds.all_reduce_compensated called with an "int4" compensator's own tensors (q,
+    exponent) against the reference called directly (reference._echo_all_reduce, no op): the same output
+    bits and the same state, updated in place in the tensors the op was given."""
+    import torch
+    import torch.distributed as dist
+
+    from echo_ds import algorithm as A
+    from echo_ds import collective, reference
+    from echo_ds.compensator import Compensator
+    from echo_ds.config import DirectionConfig
+
+    plain, viaop = Compensator(DirectionConfig(state_dtype="int4")), Compensator(DirectionConfig(state_dtype="int4"))
+    equal, state_equal, in_place = [], [], []
+    for x in xs:
+        want = reference._echo_all_reduce(x, spec, None, plain, "auto", direction=None, site=None, timeout_s=None)
+        viaop._ensure(collective.state_shape(x.numel(), dist.get_world_size(), spec.group_size), x.device)
+        state = [viaop.q, viaop.exponent]
+        got = torch.ops.echo_ds.all_reduce_compensated(x, state, collective.group_name(None), spec.bits,
+                                                       spec.group_size, spec.quantizer, spec.rotation,
+                                                       A.pow2_code("auto"), None, None, None,
+                                                       collective.handle(viaop))
+        equal.append(_equal(want, got))
+        state_equal.append(all(_equal(getattr(plain, a), getattr(viaop, a)) for a in ("q", "exponent"))
+                           and plain.num_calls == viaop.num_calls)
+        in_place.append(viaop.q is state[0] and viaop.exponent is state[1])
+    try:  # a state list that is not the tensors of state_names: refused, not mixed up
+        torch.ops.echo_ds.all_reduce_compensated(xs[0], [viaop.q], collective.group_name(None), spec.bits,
+                                                 spec.group_size, spec.quantizer, spec.rotation, A.pow2_code("auto"),
+                                                 None, None, None, collective.handle(viaop))
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return dict(op_int4_equal=equal, op_int4_state_equal=state_equal, op_int4_in_place=in_place,
+                op_int4_moved=bool(plain.q.any()), op_int4_refused=refused)
+
+
 def _cases(rank, world_size, shm_port):
     import torch
 
@@ -92,14 +129,16 @@ def _cases(rank, world_size, shm_port):
     res.update(comp_equal=comp_equal, state_equal=state_equal, in_place=in_place, num_calls=cc.num_calls,
                state_moved=bool(cc.m1.float().abs().sum() > 0))
 
-    # The "int4" state: codes and per-group exponents, three tensors updated in place.
+    # The "int4" state: packed codes (q, uint8) and per-group exponents, two tensors updated in place.
     ce, cc = Compensator(DirectionConfig(state_dtype="int4")), Compensator(DirectionConfig(state_dtype="int4"))
     fc = torch.compile(lambda t: echo_all_reduce(t, spec, compensator=cc), fullgraph=True)
     narrow = []
     for x in xs[:2]:
         e, g = echo_all_reduce(x, spec, compensator=ce), fc(x)
-        narrow.append(_equal(e, g) and all(_equal(getattr(ce, a), getattr(cc, a)) for a in ("m1", "m2", "exponent")))
+        narrow.append(_equal(e, g) and all(_equal(getattr(ce, a), getattr(cc, a)) for a in ce.state_names))
     res["narrow_equal"] = narrow
+    res["narrow_state"] = {a: str(getattr(cc, a).dtype) for a in cc.state_names}
+    res.update(_int4_through_the_op(xs, spec))
 
     # --- a backend registered for the group: eager calls and the graph compiled above take it, except
     # inside reference_only() --------------------------------------------------------------------------
@@ -175,6 +214,17 @@ def test_compensated_compiles_matches_eager_and_updates_the_state_in_place(resul
         assert r["in_place"] == [True] * 3
         assert r["num_calls"] == 1 and r["state_moved"]  # one call since the reset, and it fed back
         assert r["narrow_equal"] == [True, True]
+        assert r["narrow_state"] == {"q": "torch.uint8", "exponent": "torch.int8"}
+
+
+def test_int4_state_through_the_custom_op_is_the_reference_bit_for_bit(results):
+    # The op receives the compensator's own packed tensors (q, exponent) and updates them in place.
+    for r in results:
+        assert r["op_int4_equal"] == [True] * 3
+        assert r["op_int4_state_equal"] == [True] * 3
+        assert r["op_int4_in_place"] == [True] * 3
+        assert r["op_int4_moved"]  # the state fed back: the comparison is not of zeros
+        assert "1 state tensors for a compensator that holds 2 (q, exponent)" in r["op_int4_refused"]
 
 
 def test_registered_backend_serves_eager_and_compiled_calls(results):

@@ -111,6 +111,14 @@ def test_the_narrow_state_functions_compile_without_fused_multiply_adds():
     assert "cvt.rni.s32.f32" in ptx  # the codes round half to even, as torch.round
 
 
+def _device_codes(comp):
+    """A copy of the state's codes as one flat uint8 array, as the kernel above holds them: "int4" the
+    compensator's own packed bytes (q); "int8" m1's codes, then m2's."""
+    if comp.state_dtype == "int4":
+        return comp.q.reshape(-1).clone()
+    return torch.cat((comp.m1.reshape(-1), comp.m2.reshape(-1))).view(torch.uint8)
+
+
 def _coefficients(comp):
     return [float(comp.gain), float(comp.blend), float(comp.one_minus_blend), float(comp.slow_decay),
             float(comp.one_minus_slow), float(comp.fast_decay), float(comp.one_minus_fast)]
@@ -142,21 +150,15 @@ def test_update_narrow_state_is_the_reference_bit_for_bit(state_dtype, group_siz
     u = torch.randn(shape, generator=gen) * magnitude * torch.rand(shape, generator=gen)
     u[7] = 0.0
     u[11, 3], u[12, 5], u[13, 0] = float("nan"), float("inf"), -float("inf")
-    q1, q2, exponent = comp.m1.clone(), comp.m2.clone(), comp.exponent.clone()
+    q, exponent = _device_codes(comp), comp.exponent.clone()
     before = comp.values()
     comp.update(u)
 
-    if bits == 4:
-        q = C.pack_int4(q1, q2).reshape(-1)
-    else:
-        q = torch.cat((q1.reshape(-1), q2.reshape(-1))).view(torch.uint8)
     q, e_dev = q.cuda(), exponent.reshape(-1).cuda()
     got_before = torch.full((2 * u.numel(),), float("nan"), device="cuda")  # poisoned
     ext.narrow_update(q, e_dev, u.reshape(-1).cuda(), _coefficients(comp), bits, group_size, got_before)
     torch.cuda.synchronize()
     assert torch.equal(got_before[: u.numel()].cpu().view(torch.int32), before[0].reshape(-1).view(torch.int32))
     assert torch.equal(got_before[u.numel():].cpu().view(torch.int32), before[1].reshape(-1).view(torch.int32))
-    want = C.pack_int4(comp.m1, comp.m2).reshape(-1) if bits == 4 else \
-        torch.cat((comp.m1.reshape(-1), comp.m2.reshape(-1))).view(torch.uint8)
-    assert torch.equal(q.cpu(), want), "codes differ from compensator.encode_state"
+    assert torch.equal(q.cpu(), _device_codes(comp)), "codes differ from compensator.encode_state"
     assert torch.equal(e_dev.cpu(), comp.exponent.reshape(-1)), "exponents differ"
