@@ -2,8 +2,8 @@
 echo_ds.quant, echo_ds.algorithm; the call descriptor's fields in echo_ds.p2p.protocol) and everything
 else derives from it. csrc/ cannot import it, so its copies are read here from the source text (the
 dispatch macros, enums and binding checks) and held to the Python declaration: a change on one side
-alone fails here, naming both. The loaded extension's exported bounds are checked at load
-(echo_ds.ops.load, kernels.extension_mismatches)."""
+alone fails here, naming both. The loaded extension's exported bounds are checked before the p2p
+transport allocates (kernels.extension_mismatches, in CudaTransport)."""
 
 from __future__ import annotations
 
@@ -200,8 +200,10 @@ def test_a_field_too_narrow_for_its_values_is_refused():
     fields[r] = proto.DescriptorField("compensator", "residual", 2, ("none", "local", "output", "both"))
     with pytest.raises(ValueError, match="'compensator': 5 codes"):  # and one for the plain call
         proto.check_descriptor_layout(tuple(fields))
-    with pytest.raises(ValueError, match="take 31 bits"):
-        proto.check_descriptor_layout(proto.DESCRIPTOR_LAYOUT[:-1] + (proto.DescriptorField("h", "hash", 19, None),))
+    last = proto.DESCRIPTOR_LAYOUT[-1]
+    shorter = proto.DESCRIPTOR_LAYOUT[:-1] + (proto.DescriptorField(last.name, last.arg, last.width - 1, None),)
+    with pytest.raises(ValueError, match=f"take {proto.kDescriptorBits - 1} bits"):
+        proto.check_descriptor_layout(shorter)
 
 
 # ----------------------------------------------------------------------------------------------------

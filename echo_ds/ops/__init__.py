@@ -5,8 +5,7 @@ Importing this package needs no GPU. ``load()`` returns the compiled extension: 
 JIT, no nvcc needed), else a JIT build (once; ``ECHO_DS_FORCE_JIT=1`` JIT-builds even with a prebuilt
 module). On a machine that cannot get or run it (no CUDA build of torch, no nvcc and no prebuilt module,
 no device) it raises :class:`EchoKernelsUnavailable` with what is missing, and ``available()`` says so
-without raising. ``load()`` raises it too where the extension was built for other world or group sizes
-than ``echo_ds.ops.kernels`` declares. ``load_kind()`` says which way the module came ("prebuilt" or "jit").
+without raising. ``load_kind()`` says which way the module came ("prebuilt" or "jit").
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from echo_ds.ops.kernels import (  # noqa: F401
     SegmentTable,
     alloc_packets,
     dequantize,
-    extension_mismatches,
     hadamard_sign_words,
     owner_reduce,
     packet_bytes,
@@ -87,11 +85,6 @@ def load(verbose: bool = False):
     start = time.perf_counter()
     module = builder.load(verbose=verbose)  # the prebuilt module first, then DeepSpeed's JIT load
     _load_seconds = time.perf_counter() - start
-    mismatches = extension_mismatches(module)
-    if mismatches:  # a prebuilt module of another version of the package, or csrc/ edited alone
-        raise EchoKernelsUnavailable(f"echo_ds CUDA kernels: the extension at {getattr(module, '__file__', '?')} "
-                                     f"was built for other sizes: {'; '.join(mismatches)}; rebuild it (reinstall "
-                                     f"with DS_BUILD_ECHO=1, or ECHO_DS_FORCE_JIT=1 for the JIT build)")
     # The prebuilt module has the package's name; torch's JIT build has the bare NAME.
     _load_kind = "prebuilt" if module.__name__ == builder.absolute_name() else "jit"
     _module = module

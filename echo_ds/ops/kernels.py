@@ -68,7 +68,8 @@ def unsupported_reason(world_size: int, spec: QuantSpec, dtype: torch.dtype = to
 
 def extension_mismatches(ext) -> List[str]:
     """Where the loaded extension (``ext``) was built for other sizes than the ones declared above: the
-    bounds it exports (csrc/echo_api.cuh; its whole dispatch is pinned by tests/test_facts.py). Pure."""
+    bounds it exports (csrc/echo_api.cuh; its whole dispatch is pinned by tests/test_facts.py). The p2p
+    transport checks them before it allocates (echo_ds.p2p.transport.CudaTransport). Pure."""
     declared = {"kMaxWorldSize": max(STAGED_WORLD_SIZES), "kMinGroupSize": min(SUPPORTED_GROUP_SIZES),
                 "kMaxGroupSize": max(SUPPORTED_GROUP_SIZES)}
     return [f"{name} {int(getattr(ext, name))} (echo_ds/ops/kernels.py declares {value})"

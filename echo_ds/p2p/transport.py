@@ -37,6 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from echo_ds.ops.kernels import extension_mismatches
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import protocol as proto
 
@@ -114,6 +115,11 @@ class CudaTransport:
         self.local_ptr = {}
         mine = None
         try:
+            mismatches = extension_mismatches(ext)
+            if mismatches:  # a prebuilt module of another version of the package, or csrc/ edited alone
+                raise proto.EchoP2PError(f"echo_ds.ops was built for other sizes than this package declares: "
+                                         f"{'; '.join(mismatches)}; rebuild it (reinstall with DS_BUILD_ECHO=1, "
+                                         f"or ECHO_DS_FORCE_JIT=1 for the JIT build)")
             for region, n in sizes.items():
                 ptr = D.mem_alloc(n)
                 self._own.append(ptr)
@@ -130,7 +136,7 @@ class CudaTransport:
             D.ctx_synchronize()
             mine = {region: D.export_ipc(ptr) for region, ptr in self.local_ptr.items()}
         except Exception as e:  # noqa: BLE001
-            self.error = f"rank {rank}: allocating or exporting the workspace failed: {type(e).__name__}: {e}"
+            self.error = f"rank {rank}: setting up the workspace failed: {type(e).__name__}: {e}"
 
         # Phase 2 (collective): exchange (region -> (handle, offset)) of every rank.
         everyone = [None] * world_size
