@@ -69,3 +69,15 @@ def test_view_of_another_devices_memory_stays_on_the_named_device():
     other = torch.zeros(kNumBytes, dtype=torch.uint8, device="cuda:1")
     view = device_bytes(other.data_ptr(), kNumBytes, torch.device("cuda", 0))
     assert (view.data_ptr(), view.device) == (other.data_ptr(), torch.device("cuda", 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_torch_takes_the_named_device_without_asking_the_driver():
+    """What makes a peer GPU's mapping safe, checked on one GPU: torch must take the explicit device index
+    instead of asking the driver where the pointer lives. Pageable host memory has no device to give, so a
+    torch that asks raises here; one that takes the index wraps it (the view is never read on the device)."""
+    host = (ctypes.c_uint8 * kNumBytes)()
+    device = torch.device("cuda", torch.cuda.current_device())
+    view = device_bytes(ctypes.addressof(host), kNumBytes, device)
+    assert (view.data_ptr(), view.device) == (ctypes.addressof(host), device)
