@@ -44,8 +44,8 @@ __global__ void ECHO_KERNEL_BOUNDS((dequantize_min_blocks<kUpdate>())) dequantiz
     // s_hat / P is a product by fp32(1 / P) (__frcp_rn is the correctly rounded reciprocal), as PyTorch
     // computes `cuda_tensor / python_int` and the reference writes it (exact for P = 2, 4, 8).
     float r[kElemsPerThread];
-    StateWords m1, m2;
-    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, /*k=*/0, r, m1, m2);
+    StateWords m;
+    contribution<T, kLanes>(a.src, e, lane, a.layout.numel, /*k=*/0, r, m);
     decode<kBits>(codes, p.scale, p.zero, v);
     const float inv_world = __frcp_rn(static_cast<float>(a.layout.world_size));
 #pragma unroll
@@ -53,7 +53,7 @@ __global__ void ECHO_KERNEL_BOUNDS((dequantize_min_blocks<kUpdate>())) dequantiz
       if (k != 0) v[i] = f_mul(v[i], down);
       r[i] = f_sub(r[i], f_mul(v[i], inv_world));
     }
-    update_state<kLanes>(a.src, e, lane, m1, m2, r);
+    update_state<kLanes>(a.src, e, lane, m, r);
     if (e >= a.layout.numel) return;
   } else {
     decode<kBits>(codes, p.scale, p.zero, v);
@@ -80,6 +80,7 @@ void launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   }
   if (a.src.update_state) {
     check_contribution(a.src);
+    ECHO_HOST_ASSERT(bf16_or_no_state(a.src), "the stages hold the bf16 state only");
     ECHO_HOST_ASSERT(a.src.x_dtype == a.out_dtype, "the update reads x of the output's dtype");
   }
   if (a.num_groups == 0 || a.num_segments == 0) return;

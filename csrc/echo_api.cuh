@@ -15,12 +15,14 @@
 //                               "output": m1, m2 of the segments it decodes updated from r' - s_hat / P.
 //   (launch_pow2_amax           max |r'| over this rank's padded tensor, for the power-of-two rescaling.)
 //
-// The compensator's state (echo_ds/compensator.py, "Storage") is m1 and m2 stored as bf16 and computed with
-// in fp32. Each element's state is read once per call by the pass that forms its r' (entry or owner
-// reduce) and, with residual "local", updated by that same pass from the rounding error it holds in
-// registers; with residual "output" the dequantize reads it again and updates it. No correction, residual
-// or other fp32 array is written: the state costs 8 bytes per element per call ("local"; pow2 rescaling
-// adds a read of 4 in its max pass; "output" reads it twice, 12).
+// The compensator's state (echo_ds/compensator.py, "Storage") is m1 and m2 stored as bf16, or as int8 / int4
+// codes with one exponent per group (StateFormat), and computed with in fp32. Each element's state is read
+// once per call by the pass that forms its r' (entry or owner reduce) and, with residual "local", updated
+// by that same pass from the rounding error it holds in registers; with residual "output" the dequantize
+// reads it again and updates it. No correction, residual or other fp32 array is written: with bf16 the
+// state costs 8 bytes per element per call ("local"; pow2 rescaling adds a read of 4 in its max pass;
+// "output" reads it twice, 12), with int4 2 + 2/g. The stages of this header hold the bf16 state only; the
+// one-launch kernel (launch_p2p_all_reduce) holds every format.
 //
 // Wire format of one segment (the reference's packet, echo_ds/reference.py::_packet): codes
 // [G, g * b / 8] uint8 (4-bit: element 2k in the low nibble of byte k), then scales [G] fp16, then
@@ -51,6 +53,9 @@ constexpr int kMaxGroupSize = 256;
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // The group quantizer (quant.QUANTIZERS, in that order: echo_ds.ops.kernels.QUANTIZER_CODES).
 enum class Quantizer : int32_t { kZeroAware = 0, kSymmetric = 1, kNaive = 2, kZeroAwareInt = 3 };
+// The compensator state's stored format (echo_ds/compensator.py, "Storage"; state_dtype "bf16", "int8",
+// "int4"): the values are computed with in fp32 either way and rounded once when stored.
+enum class StateFormat : int32_t { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
 
 // Where the quantized segments live: entry [j] holds segment j (push, dequantize) or the copy of rank j
 // (owner reduce input), or a destination d of the reduced segment (owner reduce output). A null codes
@@ -99,9 +104,12 @@ struct Contribution {
   const void* x;  // [numel] x_dtype (16-byte alignment enables the vector path)
   DType x_dtype;
   int32_t update_state;  // the stage folds this call's residual into m1, m2 in place (see each stage)
-  // Compensation (both null: none).
-  uint16_t* m1;  // [padded] bf16 bit patterns, the slow average; 16-byte aligned
-  uint16_t* m2;  // [padded] bf16 bit patterns, the fast average
+  // Compensation (m1 null: none): the state (m1, m2) in the stored format `state` (StateFormat), each array
+  // over the padded length and 16-byte aligned. m1 is the slow average, m2 the fast one.
+  StateFormat state;
+  void* m1;           // kBf16: bf16 bit patterns; kInt8: int8 codes; kInt4: one byte per element, m1 | m2 << 4
+  void* m2;           // kBf16, kInt8: as m1; kInt4: null (m2's codes are m1's high nibbles)
+  int8_t* exponent;   // kInt8, kInt4: [padded / g] each group's E (stored value = code 2^E); kBf16: null
   CompensatorCoeffs coeffs;
   HadamardSpec hadamard;
 };

@@ -41,15 +41,34 @@ void check_aligned(const at::Tensor& t, const char* name, int64_t bytes) {
               "-byte aligned (data_ptr ", t.data_ptr(), ")");
 }
 
-// A compensator state array (compensator.kStateDtype, bf16) of at least `numel` elements, 16-byte aligned.
-uint16_t* opt_state_array(const OptTensor& t, const char* name, int64_t numel) {
+// One array of the compensator's state: `dtype`, at least `numel` elements, 16-byte aligned (null if absent).
+void* opt_state_array(const OptTensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
   if (!present(t)) return nullptr;
   check_tensor(*t, name);
-  TORCH_CHECK(t->scalar_type() == at::kBFloat16, name, " must be bfloat16 (the compensator's state), got ",
-              t->scalar_type());
+  TORCH_CHECK(t->scalar_type() == dtype, name, " must be ", dtype, " (the compensator's state), got ", t->scalar_type());
   TORCH_CHECK(t->numel() >= numel, name, " has ", t->numel(), " elements, needs ", numel);
   check_aligned(*t, name, 16);
-  return reinterpret_cast<uint16_t*>(t->data_ptr<at::BFloat16>());
+  return t->data_ptr();
+}
+
+// The stored format of a state (m1, m2, exponent) from its dtypes (echo_ds/compensator.py, "Storage"):
+// bf16 m1, m2 and no exponents; int8 m1, m2 and int8 exponents; int4: uint8 m1 (both codes packed), no m2.
+echo::StateFormat state_format(const OptTensor& m1, const OptTensor& m2, const OptTensor& exponent) {
+  const char* expected = "the state is bfloat16 (m1, m2), int8 (m1, m2, exponent) or int4 (uint8 m1 holding both "
+                         "averages' codes, exponent)";
+  switch (m1->scalar_type()) {
+    case at::kBFloat16:
+      TORCH_CHECK(present(m2) && !present(exponent), expected);
+      return echo::StateFormat::kBf16;
+    case at::kChar:
+      TORCH_CHECK(present(m2) && present(exponent), expected);
+      return echo::StateFormat::kInt8;
+    case at::kByte:
+      TORCH_CHECK(!present(m2) && present(exponent), expected);
+      return echo::StateFormat::kInt4;
+    default: TORCH_CHECK(false, expected, "; got m1 ", m1->scalar_type());
+  }
+  return echo::StateFormat::kBf16;
 }
 
 DType dtype_of(const at::Tensor& t, const char* name) {
@@ -181,25 +200,47 @@ CompensatorCoeffs make_coeffs(const std::vector<double>& c) {
 const float* opt_scalar(const OptTensor& t, const char* name) { return present(t) ? scalar_f32(*t, name) : nullptr; }
 
 // r' = rotate(x) + c of this rank (echo::Contribution); x is checked by the caller and l is its layout.
-// update_state: the stage folds its residual into m1, m2 in place.
+// update_state: the stage folds its residual into the state in place. The state (m1, m2, exponent) is in any
+// stored format (state_format); the stages' launchers accept bf16 only, the one-launch kernel every format.
 echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
-                                     bool update_state, const std::vector<double>& coeffs,
+                                     const OptTensor& exponent, bool update_state, const std::vector<double>& coeffs,
                                      const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                                      const Layout& l) {
   const int64_t padded = echo::padded_numel(l);
-  TORCH_CHECK(present(m1) == present(m2), "m1 and m2 come together");
+  TORCH_CHECK(present(m1) || (!present(m2) && !present(exponent)), "m2 and exponent come with m1");
   TORCH_CHECK(!present(m1) || !coeffs.empty(), "compensating from the state needs coeffs");
   TORCH_CHECK(!update_state || present(m1), "update_state needs the state (m1, m2)");
   echo::Contribution s{};
   s.x = x.data_ptr();
   s.x_dtype = dtype_of(x, "x");
   s.update_state = update_state ? 1 : 0;
-  s.m1 = opt_state_array(m1, "m1", padded);
-  s.m2 = opt_state_array(m2, "m2", padded);
-  TORCH_CHECK(s.m1 == nullptr || (s.m1 + padded <= s.m2 || s.m2 + padded <= s.m1), "m1 and m2 must not overlap");
+  if (present(m1)) {
+    s.state = state_format(m1, m2, exponent);
+    const at::ScalarType dtype = m1->scalar_type();
+    s.m1 = opt_state_array(m1, "m1", dtype, padded);
+    s.m2 = opt_state_array(m2, "m2", dtype, padded);
+    const int64_t span = padded * m1->element_size();
+    const auto* a = static_cast<const char*>(s.m1);
+    const auto* b = static_cast<const char*>(s.m2);
+    TORCH_CHECK(b == nullptr || a + span <= b || b + span <= a, "m1 and m2 must not overlap");
+    if (present(exponent)) {
+      check_tensor(*exponent, "exponent");
+      TORCH_CHECK(exponent->scalar_type() == at::kChar, "exponent must be int8, got ", exponent->scalar_type());
+      TORCH_CHECK(exponent->numel() >= padded / l.group_size, "exponent has ", exponent->numel(),
+                  " elements, needs one per group: ", padded / l.group_size);
+      s.exponent = exponent->data_ptr<int8_t>();
+    }
+  }
   s.coeffs = make_coeffs(coeffs);
   s.hadamard = make_hadamard(hadamard_signs, hadamard_norm, l.group_size);
   return s;
+}
+
+// The stages hold the bf16 state only (a narrow state runs on the one-launch kernel).
+void check_bf16_state(const OptTensor& m1) {
+  TORCH_CHECK(!present(m1) || m1->scalar_type() == at::kBFloat16,
+              "the staged kernels hold the compensator state as bfloat16 only, got m1 ", m1->scalar_type(),
+              " (a narrow state_dtype runs on the one-launch kernel, P2PRuntime.all_reduce)");
 }
 
 void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
@@ -215,7 +256,8 @@ void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2
   check_rank(rank, world_size, "push_quantize");
   num_groups =
       tile_count(group_begin, num_groups, a.layout.groups_per_segment, "the segment's groups", "push_quantize");
-  a.src = make_contribution(x, m1, m2, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  check_bf16_state(m1);
+  a.src = make_contribution(x, m1, m2, c10::nullopt, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.quantizer = quantizer_of(quantizer);
@@ -242,7 +284,8 @@ void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
   check_rank(rank, world_size, "owner_reduce");
   num_groups =
       tile_count(group_begin, num_groups, a.layout.groups_per_segment, "the segment's groups", "owner_reduce");
-  a.src = make_contribution(x, m1, m2, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  check_bf16_state(m1);
+  a.src = make_contribution(x, m1, m2, c10::nullopt, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.quantizer = quantizer_of(quantizer);
@@ -283,7 +326,8 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
   if (present(x)) {
     check_tensor(*x, "x");
     check_like(*x, "x", out, "out", "dequantize");
-    a.src = make_contribution(*x, m1, m2, true, coeffs, hadamard_signs, hadamard_norm, a.layout);
+    check_bf16_state(m1);
+    a.src = make_contribution(*x, m1, m2, c10::nullopt, true, coeffs, hadamard_signs, hadamard_norm, a.layout);
   } else {
     a.src.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
   }
@@ -297,7 +341,8 @@ void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor&
   check_tensor(x, "x");
   echo::Pow2AmaxArgs a{};
   a.layout = make_layout(x.numel(), world_size, group_size);
-  a.src = make_contribution(x, m1, m2, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  check_bf16_state(m1);
+  a.src = make_contribution(x, m1, m2, c10::nullopt, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.amax_out = scalar_f32(amax_out, "amax_out");
   echo::launch_pow2_amax(a, as_stream(stream));
 }
@@ -352,9 +397,10 @@ class P2PRuntime {
   }
 
   // y = the Echo all-reduce of x over the group (same bits as echo_ds.reference). residual: 0 none (no
-  // state), 1 "local", 2 "output"; m1, m2 the state (bf16, padded length) when residual != 0.
+  // state), 1 "local", 2 "output"; (m1, m2, exponent) the state in its stored format (make_contribution),
+  // padded length, when residual != 0.
   void all_reduce(const at::Tensor& x, const at::Tensor& y, const OptTensor& m1, const OptTensor& m2,
-                  const std::vector<double>& coeffs, int64_t residual, int64_t pow2, int64_t group_size, int64_t bits,
+                  const OptTensor& exponent, const std::vector<double>& coeffs, int64_t residual, int64_t pow2, int64_t group_size, int64_t bits,
                   int64_t quantizer, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                   int64_t descriptor, int64_t stream) {
     TORCH_CHECK(control_ != nullptr, "P2PRuntime: closed");
@@ -368,7 +414,7 @@ class P2PRuntime {
     check_bits(bits);
     echo::P2PAllReduceArgs a{};
     a.layout = make_layout(x.numel(), world_size_, group_size);
-    a.src = make_contribution(x, m1, m2, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
+    a.src = make_contribution(x, m1, m2, exponent, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
     a.out = y.data_ptr();
     a.rank = static_cast<int32_t>(rank_);
     a.bits = static_cast<int32_t>(bits);
@@ -642,7 +688,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("code_half_bytes"), py::arg("param_half_bytes"), py::arg("error_record"), py::arg("timeout_ns"),
            py::arg("max_blocks"))
       .def("all_reduce", &P2PRuntime::all_reduce, py::arg("x"), py::arg("y"), py::arg("m1"), py::arg("m2"),
-           py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
+           py::arg("exponent"), py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
            py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),
            py::arg("stream"))
       .def("plain_all_reduce", &P2PRuntime::plain_all_reduce, py::arg("x"), py::arg("y"), py::arg("descriptor"),

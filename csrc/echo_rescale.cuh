@@ -39,8 +39,8 @@ __device__ __forceinline__ unsigned block_amax_bits(const Contribution& s, const
   for (int64_t item = int64_t(blockIdx.x) * kItemsPerBlock + threadIdx.x / kLanes; item < num_items;
        item += int64_t(gridDim.x) * kItemsPerBlock) {
     float v[kElemsPerThread];
-    StateWords m1, m2;  // read only here
-    contribution<T, kLanes>(s, item * layout.group_size, lane, layout.numel, /*k=*/0, v, m1, m2);
+    StateWords m;  // read only here
+    contribution<T, kLanes>(s, item * layout.group_size, lane, layout.numel, /*k=*/0, v, m);
 #pragma unroll
     for (int i = 0; i < kElemsPerThread; ++i) best = max(best, __float_as_uint(fabsf(v[i])));
   }

@@ -40,8 +40,8 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kUncompensated)) own
   load_contribution_x<T, kLanes>(a.src, own_e, lane, a.layout.numel, own_raw);
   const int k = pow2_exponent(a.pow2_amax);
   float own[kUncompensated ? 1 : kElemsPerThread];
-  StateWords m1, m2;  // the own segment's state, read for c and updated below (residual "local")
-  if constexpr (!kUncompensated) contribution_from_raw<T, kLanes>(a.src, own_raw, own_e, lane, k, own, m1, m2);
+  StateWords m;  // the own segment's state, read for c and updated below (residual "local")
+  if constexpr (!kUncompensated) contribution_from_raw<T, kLanes>(a.src, own_raw, own_e, lane, k, own, m);
   Codes<kBits> copies[kWorld];
   uint16_t scale_bits[kWorld];
   uint16_t zero_bits[kWorld];
@@ -59,7 +59,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kUncompensated)) own
     float t[kElemsPerThread];
     if (r == a.rank) {
       if constexpr (kUncompensated) {
-        contribution_from_raw<T, kLanes, true>(a.src, own_raw, own_e, lane, k, t, m1, m2);
+        contribution_from_raw<T, kLanes, true>(a.src, own_raw, own_e, lane, k, t, m);
       } else {
 #pragma unroll
         for (int i = 0; i < kElemsPerThread; ++i) t[i] = own[i];
@@ -82,7 +82,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kUncompensated)) own
     // residual "local", own share: e = s_hat_scaled - acc, u = -(e 2^-k).
     float u[kElemsPerThread];
     local_residual<kBits>(codes, p, acc, k, u);
-    update_state<kLanes>(a.src, own_e, lane, m1, m2, u);
+    update_state<kLanes>(a.src, own_e, lane, m, u);
   }
 }
 

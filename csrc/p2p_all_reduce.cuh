@@ -31,6 +31,8 @@
 // which every wait of every later call gives up at once (the host raises the named error).
 #pragma once
 
+#include <type_traits>
+
 #include "echo_compensator.cuh"
 #include "echo_contribution.cuh"
 #include "echo_device.cuh"
@@ -225,8 +227,8 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   if (first_chunk && blockIdx.x == 0 && threadIdx.x == 0) control->pow2_k = k;  // read by the next launches
 
   // A. entry: the segments this rank sends. A thread's work is a sequence of units (item, sent segment);
-  // for 16-bit x the loads of unit q + 1 are issued before unit q is worked on (two buffers, as
-  // push_quantize.cu does), so that one unit's loads are in flight while the thread computes.
+  // for 16-bit x and a bf16 state (or none) the loads of unit q + 1 are issued before unit q is worked on
+  // (two buffers, as push_quantize.cu does), so that one unit's loads are in flight while the thread computes.
   constexpr int kSent = kWorld - 1;
   const auto unit = [&](int64_t q, int64_t& gi, int64_t& e) {  // false past the block's last unit
     const int64_t base = (int64_t(blockIdx.x) + (q / kSent) * int64_t(gridDim.x)) * kPerItem;
@@ -240,43 +242,56 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     int64_t gi, e;
     if (unit(q, gi, e) && gi < G) load_contribution_x<T, kLanes>(a.src, e, lane, numel, r);
   };
-  const auto entry_work = [&](int64_t gi, int64_t e, const RawChunks<T>& r) {
+  // kAnyState: the update of every stored format, else of the bf16 state only (the loop that prefetches).
+  const auto entry_work = [&](int64_t gi, int64_t e, const RawChunks<T>& r, auto any_state) {
     const int j = static_cast<int>(e / seg_elems);
     float v[kElemsPerThread];
-    StateWords m1, m2;
-    contribution_from_raw<T, kLanes>(a.src, r, e, lane, k, v, m1, m2);
+    StateWords m;
+    contribution_from_raw<T, kLanes>(a.src, r, e, lane, k, v, m);
     Codes<kBits> codes;
     const GroupParams p = quantize_group<kBits, kLanes>(v, a.quantizer, lane, codes);
     store_packet_group<kBits, kLanes>(a.push_out, j, gi, lane, codes, p);
     if (a.update_local) {
       float u[kElemsPerThread];
       local_residual<kBits>(codes, p, v, k, u);
-      update_state<kLanes>(a.src, e, lane, m1, m2, u);
+      if constexpr (decltype(any_state)::value) {
+        update_state<kLanes>(a.src, e, lane, m, u);
+      } else {
+        update_bf16_state<kLanes>(a.src, e, lane, m, u);
+      }
     }
   };
+  // The integer states' update beside the prefetched words spilled at the register cap: their entry takes
+  // the loop without prefetch, as fp32 x does.
+  const bool integer_state = a.src.m1 != nullptr && a.src.state != StateFormat::kBf16;
+  bool entered = false;
   if constexpr (sizeof(T) == 2) {
-    // Works on unit q from r after issuing unit q + 1's loads into `next`; false past the last unit.
-    const auto entry_step = [&](int64_t q, const RawChunks<T>& r, RawChunks<T>& next) {
-      int64_t gi, e;
-      if (!unit(q, gi, e)) return false;
-      load_unit(q + 1, next);
-      if (gi < G) entry_work(gi, e, r);  // whole groups skip together
-      return true;
-    };
-    RawChunks<T> raw[2];
-    load_unit(0, raw[0]);
+    if (!integer_state) {
+      // Works on unit q from r after issuing unit q + 1's loads into `next`; false past the last unit.
+      const auto entry_step = [&](int64_t q, const RawChunks<T>& r, RawChunks<T>& next) {
+        int64_t gi, e;
+        if (!unit(q, gi, e)) return false;
+        load_unit(q + 1, next);
+        if (gi < G) entry_work(gi, e, r, std::false_type{});  // whole groups skip together
+        return true;
+      };
+      RawChunks<T> raw[2];
+      load_unit(0, raw[0]);
 #pragma unroll 1
-    for (int64_t q = 0;; q += 2) {
-      if (!entry_step(q, raw[0], raw[1]) || !entry_step(q + 1, raw[1], raw[0])) break;
+      for (int64_t q = 0;; q += 2) {
+        if (!entry_step(q, raw[0], raw[1]) || !entry_step(q + 1, raw[1], raw[0])) break;
+      }
+      entered = true;
     }
-  } else {  // fp32 x: twice the words per unit; two buffers would not fit the registers
+  }
+  if (!entered) {  // fp32 x (twice the words per unit: two buffers would not fit the registers), integer states
     int64_t gi, e;
 #pragma unroll 1
     for (int64_t q = 0; unit(q, gi, e); ++q) {
       if (gi >= G) continue;
       RawChunks<T> r;
       load_contribution_x<T, kLanes>(a.src, e, lane, numel, r);
-      entry_work(gi, e, r);
+      entry_work(gi, e, r, std::true_type{});
     }
   }
   signal_peers<kWorld, false>(a, tag);
@@ -304,8 +319,8 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       }
     }
     float own[kElemsPerThread];
-    StateWords m1, m2;
-    contribution<T, kLanes>(a.src, own_e, lane, numel, k, own, m1, m2);
+    StateWords m;
+    contribution<T, kLanes>(a.src, own_e, lane, numel, k, own, m);
     float acc[kElemsPerThread];
 #pragma unroll
     for (int r = 0; r < kWorld; ++r) {
@@ -329,7 +344,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     if (a.update_local) {
       float u[kElemsPerThread];
       local_residual<kBits>(codes, p, acc, k, u);
-      update_state<kLanes>(a.src, own_e, lane, m1, m2, u);
+      update_state<kLanes>(a.src, own_e, lane, m, u);
     }
   }
   signal_peers<kWorld, true>(a, tag);
@@ -348,8 +363,8 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       if (a.update_output) {
         // u = r' - s_hat / P, r' formed again as the entry formed it (dequantize.cu, kUpdate).
         float r[kElemsPerThread];
-        StateWords m1, m2;
-        contribution<T, kLanes>(a.src, e, lane, numel, /*k=*/0, r, m1, m2);
+        StateWords m;
+        contribution<T, kLanes>(a.src, e, lane, numel, /*k=*/0, r, m);
         decode<kBits>(codes, p.scale, p.zero, v);
         const float inv_world = __frcp_rn(static_cast<float>(kWorld));
 #pragma unroll
@@ -357,7 +372,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
           if (k != 0) v[i] = f_mul(v[i], down);
           r[i] = f_sub(r[i], f_mul(v[i], inv_world));
         }
-        update_state<kLanes>(a.src, e, lane, m1, m2, r);
+        update_state<kLanes>(a.src, e, lane, m, r);
         if (e >= numel) return;  // padding: its state is updated, nothing is written
       } else {
         decode<kBits>(codes, p.scale, p.zero, v);

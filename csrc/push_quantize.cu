@@ -74,11 +74,11 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kUncompensated>())) push
     float v[kElemsPerThread];
     Codes<kBits> codes;
     GroupParams p;
-    StateWords m1, m2;
+    StateWords m;
     if constexpr (kUncompensated && sizeof(T) == 2) {
       p = quantize_uncompensated_group<T, kBits, kLanes>(a.src, r, e, lane, k, a.quantizer, v, codes);
     } else {
-      contribution_from_raw<T, kLanes, kUncompensated>(a.src, r, e, lane, k, v, m1, m2);
+      contribution_from_raw<T, kLanes, kUncompensated>(a.src, r, e, lane, k, v, m);
       p = quantize_group<kBits, kLanes>(v, a.quantizer, lane, codes);
     }
     store_packet_group<kBits, kLanes>(a.out, seg, gi, lane, codes, p);
@@ -86,7 +86,7 @@ __global__ void ECHO_KERNEL_BOUNDS((entry_min_blocks<T, kUncompensated>())) push
       // residual "local" of the sent segments: the rounding error this rank added to rs.
       float u[kElemsPerThread];
       local_residual<kBits>(codes, p, v, k, u);
-      update_state<kLanes>(a.src, e, lane, m1, m2, u);
+      update_state<kLanes>(a.src, e, lane, m, u);
     }
     return true;
   };
@@ -105,6 +105,7 @@ void launch_push_quantize(const PushQuantizeArgs& a, cudaStream_t stream) {
                        a.group_begin + a.num_groups <= a.layout.groups_per_segment,
                    "group range outside the segment");
   check_contribution(a.src);
+  ECHO_HOST_ASSERT(bf16_or_no_state(a.src), "the stages hold the bf16 state only");
   if (a.num_groups == 0) return;
   ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, (void)kWorld);  // raises for unsupported P
   ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {

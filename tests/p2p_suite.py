@@ -272,26 +272,80 @@ def check_chunked(rank, P, device, cfg):
 
 
 def check_narrow_state(buf, rank, P, device, n=4097):
-    """A compensator whose state the kernels do not hold (state_dtype "int4", "int8") takes the reference
-    path, with the reason, and gives the specification's outputs and states: never the bf16 path."""
+    """Compensators that store their state as "int8" and "int4": on the CUDA transport the one-launch kernel
+    holds them at every size (both residuals, pow2 never / always / "auto" beyond its window, 4 and 8 bits,
+    fp32 and bf16 x: the loop with and without the prefetch), elsewhere the call takes the reference path
+    with the reason; either way outputs and every state tensor are the emulator's, call after call."""
+    num = 0
+    one_launch = buf._runtime is not None
+    cases = [(4, "local", "auto", torch.bfloat16, 1e5), (8, "local", False, torch.float32, 1.0),
+             (4, "output", True, torch.float16, 1e-4), (4, "local", False, torch.bfloat16, 1.0)]
+    for state_dtype in ("int4", "int8"):
+        for i, (bits, residual, pow2, dtype, scale) in enumerate(cases):
+            dcfg = DirectionConfig(state_dtype=state_dtype, residual=residual, gain=0.9)
+            comp, comp_emul = make_compensator(dcfg), make_compensator(dcfg)
+            spec = QuantSpec(bits, (64, 128, 256, 64)[i], "zero_aware_int" if bits == 4 else "zero_aware",
+                             rotation=i != 1)
+            for call in range(3):
+                parts = parts_for(P, n + 61 * i, dtype, 6000 + 10 * i + call, device, scale)
+                x = parts[rank]
+                decision = buf.would_use_p2p(x, spec, comp)
+                assert bool(decision) == one_launch, decision
+                if not one_launch:
+                    assert "state_dtype" in decision.reason, decision
+                y = buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
+                expected = spec_on_device(parts, spec, comp_emul, pow2)
+                buf.synchronize()
+                what = f"state_dtype={state_dtype} {dtype} bits={bits} {residual} pow2={pow2} call {call}: rank {rank}"
+                assert same_bits(y, expected), f"{what}: output differs from the emulator"
+                for name in comp.state_names:  # "int4": q (packed codes) and exponent; "int8": m1, m2, exponent
+                    assert torch.equal(getattr(comp, name), getattr(comp_emul, name)[rank]), \
+                        f"{what}: {name} differs from the emulator's"
+                num += 1
+    return num
+
+
+def check_narrow_chunked_and_replayed(rank, P, device, cfg):
+    """An "int4" state in a workspace smaller than the message (chunk by chunk, the pow2 exponent of the whole
+    message) and in a CUDA graph replayed with new inputs: outputs and states are the emulator's."""
+    from echo_ds.p2p import EchoBuffer
+
+    buf = EchoBuffer(max_numel=1 << 14, timeout_s=cfg.get("timeout_s", 10.0), stages="fused")
+    assert buf.active and buf._runtime is not None, buf.reason
     num = 0
     spec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
     for state_dtype in ("int4", "int8"):
         dcfg = DirectionConfig(state_dtype=state_dtype)
         comp, comp_emul = make_compensator(dcfg), make_compensator(dcfg)
         for call in range(2):
-            parts = parts_for(P, n, torch.bfloat16, 6000 + call, device)
-            x = parts[rank]
-            decision = buf.would_use_p2p(x, spec, comp)
-            assert not decision and "state_dtype" in decision.reason, decision
-            y = buf.all_reduce(x, spec, compensator=comp)
-            expected = spec_on_device(parts, spec, comp_emul)
-            what = f"state_dtype={state_dtype} call {call}: rank {rank}"
+            parts = parts_for(P, 200_003, torch.bfloat16, 8000 + call, device, 1e5)
+            y = buf.all_reduce(parts[rank], spec, compensator=comp, pow2_rescale="auto")
+            expected = spec_on_device(parts, spec, comp_emul, "auto")
+            buf.synchronize()
+            what = f"chunked {state_dtype} call {call}: rank {rank}"
             assert same_bits(y, expected), f"{what}: output differs from the emulator"
-            for name in comp.state_names:  # "int4": q (packed codes) and exponent; "int8": m1, m2, exponent
-                assert torch.equal(getattr(comp, name), getattr(comp_emul, name)[rank]), \
-                    f"{what}: {name} differs from the emulator's"
+            for name in comp.state_names:
+                assert torch.equal(getattr(comp, name), getattr(comp_emul, name)[rank]), f"{what}: {name} differs"
             num += 1
+    comp, comp_emul = make_compensator(DirectionConfig(state_dtype="int4")), make_compensator(
+        DirectionConfig(state_dtype="int4"))
+    inputs = [parts_for(P, 100_003, torch.bfloat16, 8500 + j, device) for j in range(4)]
+    static_x = inputs[0][rank].clone()
+    y0 = buf.all_reduce(static_x, spec, compensator=comp)  # eager: builds the plan and the state
+    assert same_bits(y0, spec_on_device(inputs[0], spec, comp_emul)), "int4 eager call before capture"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = buf.all_reduce(static_x, spec, compensator=comp)
+    for j in range(1, 4):
+        static_x.copy_(inputs[j][rank])
+        graph.replay()
+        buf.synchronize()
+        assert same_bits(static_y, spec_on_device(inputs[j], spec, comp_emul)), f"int4 replay {j}: rank {rank}"
+        assert torch.equal(comp.q, comp_emul.q[rank]) and torch.equal(comp.exponent, comp_emul.exponent[rank]), \
+            f"int4 replay {j}: state differs"
+        num += 1
+    buf.close()
     return num
 
 
@@ -423,8 +477,13 @@ def suite(rank, world_size, cfg):
     log(rank, f"P={P}: echo_all_reduce on the group runs on its EchoBuffer (the registered backend of the "
               f"custom op), bit-identical to the emulator and to the reference")
     n_narrow = check_narrow_state(buf, rank, P, device)
-    log(rank, f"P={P}: {n_narrow} calls with a narrow compensator state (int4, int8): the reference path, "
-              f"outputs and states bit-identical to the emulator's")
+    path = "the one-launch kernel" if buf._runtime is not None else "the reference path"
+    log(rank, f"P={P}: {n_narrow} calls with a narrow compensator state (int4, int8) on {path}: outputs and "
+              f"states bit-identical to the emulator's")
+    if cuda and buf._runtime is not None and cfg.get("chunked", True):
+        n_narrow = check_narrow_chunked_and_replayed(rank, P, device, cfg)
+        log(rank, f"P={P}: {n_narrow} narrow-state calls chunk by chunk and replayed from a CUDA graph: outputs "
+                  f"and states bit-identical to the emulator's")
     if cuda and buf._runtime is not None:
         n_plain = check_plain(buf, rank, P, device)
         log(rank, f"P={P}: {n_plain} unquantized calls (plain_all_reduce: 3 dtypes, 1 element to 1 M, NaN, fp16 "

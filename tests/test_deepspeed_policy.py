@@ -162,22 +162,21 @@ def test_init_inference_reads_a_path_as_deepspeed_does(tmp_path):
         echo.init_inference(torch.nn.Linear(2, 2), config=duplicated)
 
 
-def test_a_narrow_compensator_state_runs_on_the_reference_path(log):
-    # The p2p kernels hold the state as bf16 only (echo_ds.ops.kernels.SUPPORTED_STATE_DTYPES): a config
-    # with echo.<direction>.state_dtype "int8" / "int4" must not run them (silently as bf16 or at all).
-    assert policy.p2p_transport_status("cuda", 4, state_dtypes={"forward": "bf16", "backward": "bf16"}) == (True, "")
-    ok, why = policy.p2p_transport_status("cuda", 4, state_dtypes={"forward": "int4", "backward": "bf16"})
-    assert ok is False and 'echo.forward.state_dtype="int4"' in why and "backward" not in why
-    assert '"state_dtype": "bf16"' in why
+def test_a_narrow_compensator_state_keeps_the_p2p_transport(log):
+    # The one-launch kernel holds every stored format (echo_ds.ops.kernels.SUPPORTED_STATE_DTYPES): a
+    # config with echo.<direction>.state_dtype "int8" / "int4" keeps the transport; a format the kernels
+    # did not hold would send the group to the reference path with a warning naming the setting.
+    for states in ({"forward": "bf16", "backward": "bf16"}, {"forward": "int4", "backward": "int8"}):
+        assert policy.p2p_transport_status("cuda", 4, state_dtypes=states) == (True, "")
+    ok, why = policy.p2p_transport_status("cuda", 4, state_dtypes={"forward": "fp8", "backward": "bf16"})
+    assert ok is False and 'echo.forward.state_dtype="fp8"' in why and "backward" not in why
     # A group that cannot use the transport anyway keeps its own reason.
     assert "CUDA" in policy.p2p_transport_status("cpu", 4, state_dtypes={"forward": "int4"})[1]
     c = policy.select_backend("p2p", "cuda", 4, (ok, why))
-    assert (c.name, c.level) == ("reference", "warning") and "int4" in c.reason
+    assert (c.name, c.level) == ("reference", "warning") and "fp8" in c.reason
     for _ in range(3):
         echo_log.log_once(c.level, "echo: " + c.reason)
     assert [lvl for lvl, _ in log.records] == ["warning"]
-    c = policy.select_backend("auto", "cuda", 4, (ok, why))
-    assert (c.name, c.level) == ("reference", "info") and "int4" in c.reason
 
 
 def test_the_kernel_wrappers_refuse_a_narrow_state():
@@ -187,8 +186,12 @@ def test_the_kernel_wrappers_refuse_a_narrow_state():
 
     comp = Compensator(DirectionConfig(state_dtype="int8"))
     comp.correction((2, 1, 64), "cpu")
-    with pytest.raises(K.UnsupportedStateDtype, match="state_dtype 'int8' with m1 torch.int8"):
+    with pytest.raises(K.UnsupportedStateDtype, match="staged kernels .* state_dtype 'int8' with m1 torch.int8"):
         K._state_args(comp.m1, comp.m2, comp)
+    packed = Compensator(DirectionConfig(state_dtype="int4"))  # m1, m2 None: its state is q
+    packed.correction((2, 1, 64), "cpu")
+    with pytest.raises(K.UnsupportedStateDtype, match="state_dtype 'int4' with m1 None"):
+        K._state_args(packed.m1, packed.m2, packed)
     bf16 = Compensator(DirectionConfig())
     bf16.correction((2, 1, 64), "cpu")
     assert K._state_args(bf16.m1, bf16.m2, bf16)[0] is bf16.m1

@@ -66,13 +66,15 @@ def test_p2p_transport_status_has_the_deepspeed_policy_shape():
     assert not ok and "hosts" in why
 
 
-def test_a_narrow_compensator_state_declines_the_call():
-    # The kernels hold the bf16 state only (echo_ds.ops.kernels.SUPPORTED_STATE_DTYPES): a call whose
-    # compensator stores "int8" / "int4" goes to the reference path, with a reason naming the setting.
-    assert call(state_dtype="bf16")
-    for state_dtype in ("int8", "int4"):
-        d = call(state_dtype=state_dtype)
-        assert not d and f'state_dtype="{state_dtype}"' in d.reason and '"state_dtype": "bf16"' in d.reason
-    assert policy.state_dtype_decision({"forward": "bf16", "backward": "bf16"})
-    d = policy.state_dtype_decision({"forward": "bf16", "backward": "int4"})
-    assert not d and 'echo.backward.state_dtype="int4"' in d.reason and "forward" not in d.reason
+def test_every_configurable_state_dtype_is_held_by_the_p2p_kernels():
+    # The one-launch kernel holds every stored format the config accepts (echo_ds.ops.kernels.
+    # SUPPORTED_STATE_DTYPES; EchoBuffer sends a narrow state there at every size); a format it did not
+    # hold would decline the call with a reason naming the setting.
+    from echo_ds.config import STATE_DTYPES
+
+    assert set(STATE_DTYPES) <= set(policy.SUPPORTED_STATE_DTYPES)
+    for state_dtype in STATE_DTYPES:
+        assert call(state_dtype=state_dtype)
+    assert policy.state_dtype_decision({"forward": "bf16", "backward": "int4"})
+    d = policy.state_dtype_decision({"forward": "bf16", "backward": "fp8"})
+    assert not d and 'echo.backward.state_dtype="fp8"' in d.reason and "forward" not in d.reason

@@ -46,10 +46,11 @@ SUPPORTED_GROUP_SIZES = (64, 128, 256)
 # Element types of every kernel, staged and one-launch, in the order of the kernels' DType codes
 # (csrc/echo_api.cuh), which the one-launch call's descriptor uses too; the p2p transport takes the same.
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Stored formats of the compensator's state the kernels hold (echo.<direction>.state_dtype,
-# echo_ds.compensator): m1 and m2 as bf16 words. The narrow formats ("int8", "int4") run on the reference
-# path until the kernels reproduce them (echo_ds.deepspeed.policy.p2p_transport_status).
-SUPPORTED_STATE_DTYPES = ("bf16",)
+# Stored formats of the compensator's state (echo.<direction>.state_dtype, echo_ds.compensator, "Storage";
+# csrc/echo_api.cuh, StateFormat) the kernels hold: the one-launch kernel every format, the staged kernels
+# bf16 only (the p2p transport sends a call with a narrow state to the one-launch kernel at every size).
+SUPPORTED_STATE_DTYPES = ("bf16", "int8", "int4")
+STAGED_STATE_DTYPES = ("bf16",)
 # Every code buffer must start on a 16-byte boundary (the kernels store codes as 8/16-byte vectors).
 kCodeAlignmentBytes = 16
 
@@ -216,7 +217,7 @@ def _coeffs(coeffs) -> list:
 # ----------------------------------------------------------------------------------------------------
 
 class UnsupportedStateDtype(TypeError):
-    """The kernels were handed a compensator state in a format they do not hold (SUPPORTED_STATE_DTYPES)."""
+    """The staged kernels were handed a compensator state in a format they do not hold (STAGED_STATE_DTYPES)."""
 
 
 def _state_args(m1, m2, coeffs):
@@ -224,13 +225,17 @@ def _state_args(m1, m2, coeffs):
         raise ValueError("m1 and m2 come together")
     if m1 is not None and coeffs is None:
         raise ValueError("compensating from the state (m1, m2) needs coeffs")
+    # An "int4" compensator's m1 and m2 are None (its state is q): the stored format, not their presence,
+    # decides.
     state_dtype = getattr(coeffs, "state_dtype", "bf16")
-    if m1 is not None and (state_dtype not in SUPPORTED_STATE_DTYPES or m1.dtype != torch.bfloat16
-                           or m2.dtype != torch.bfloat16):
+    if state_dtype not in STAGED_STATE_DTYPES or (m1 is not None and (m1.dtype != torch.bfloat16
+                                                                      or m2.dtype != torch.bfloat16)):
         raise UnsupportedStateDtype(
-            f"the kernels hold the compensator state as {SUPPORTED_STATE_DTYPES} (bfloat16 m1, m2), got "
-            f"state_dtype {state_dtype!r} with m1 {m1.dtype}, m2 {m2.dtype}: set \"state_dtype\": \"bf16\" in "
-            f"the direction's section of \"echo\", or use the reference path (\"backend\": \"reference\")")
+            f"the staged kernels hold the compensator state as {STAGED_STATE_DTYPES} (bfloat16 m1, m2), got "
+            f"state_dtype {state_dtype!r} with m1 {getattr(m1, 'dtype', None)}, m2 {getattr(m2, 'dtype', None)}: "
+            f"a narrow state runs on the "
+            f"one-launch kernel (EchoBuffer sends it there), or set \"state_dtype\": \"bf16\" in the "
+            f"direction's section of \"echo\"")
     return m1, m2, _coeffs(coeffs)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from echo_ds.algorithm import POW2_MODES
-from echo_ds.ops.kernels import SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES
+from echo_ds.ops.kernels import SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES, SUPPORTED_STATE_DTYPES
 from echo_ds.quant import QUANTIZERS, SUPPORTED_BITS
 
 kFlagMask = 0xFFFFFFFF
@@ -59,7 +59,9 @@ DESCRIPTOR_QUANTIZERS = QUANTIZERS
 # Also the residual argument of the one-launch call (P2PRuntime.all_reduce: 0 none, 1 "local", 2 "output").
 DESCRIPTOR_RESIDUALS = ("none", "local", "output")
 DESCRIPTOR_POW2 = POW2_MODES
-kNumelHashBits = 20
+# The compensator's stored state format (echo_ds.compensator, "Storage"; "bf16" also for a call without one).
+DESCRIPTOR_STATE_DTYPES = SUPPORTED_STATE_DTYPES
+kNumelHashBits = 18
 kDescriptorBits = 32
 kHashField = "numel/site/direction (hash)"
 
@@ -87,6 +89,7 @@ DESCRIPTOR_LAYOUT = (
     DescriptorField("rotation", "rotation", 1, (False, True)),
     DescriptorField("pow2_rescale", "pow2", 2, DESCRIPTOR_POW2),
     DescriptorField("compensator", "residual", 2, DESCRIPTOR_RESIDUALS),
+    DescriptorField("state_dtype", "state_dtype", 2, DESCRIPTOR_STATE_DTYPES),
     DescriptorField(kHashField, "hash", kNumelHashBits, None),
 )
 # A 16-bit (unquantized) call of the same kernel family (EchoBuffer.plain_all_reduce): its dtype, in the
@@ -145,11 +148,12 @@ def _code(field: DescriptorField, value) -> int:
 
 
 def call_descriptor(*, numel: int, dtype: str, bits: int, group_size: int, quantizer: str, rotation: bool,
-                    pow2, residual: str, site: Optional[int] = None, direction: Optional[str] = None) -> int:
+                    pow2, residual: str, site: Optional[int] = None, direction: Optional[str] = None,
+                    state_dtype: str = "bf16") -> int:
     """The 32-bit descriptor of a one-launch call (see decode_descriptor); site and direction: the
-    caller's (None: not compared)."""
+    caller's (None: not compared); state_dtype: the compensator's stored format ("bf16" without one)."""
     args = dict(dtype=dtype, bits=bits, group_size=group_size, quantizer=quantizer, rotation=rotation, pow2=pow2,
-                residual=residual)
+                residual=residual, state_dtype=state_dtype)
     codes = {f.arg: _code(f, args[f.arg]) for f in DESCRIPTOR_LAYOUT if f.values is not None}
     return _encode(**codes, hash=numel_hash(numel, site, direction))
 
