@@ -359,11 +359,12 @@ def _sweep(buf, rank, P, dev, spec, args):
                "check": "emulator" if check else "ranks agree", "copy_s": _time_copy(x, args["iters"]),
                "memory": mem}
         for label in ("uncompensated", "compensated"):
-            comp = make_compensator(ForwardConfig()) if label == "compensated" else None
+            state_dtype = args.get("state_dtype", "bf16")
+            comp = make_compensator(ForwardConfig(state_dtype=state_dtype)) if label == "compensated" else None
             if comp is not None:  # its first call allocates the state: measured
                 _, row["memory"]["compensated"] = _measure_call(
                     dev, lambda: buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2))
-                state = [getattr(comp, name, None) for name in ("m1", "m2")]
+                state = [getattr(comp, name, None) for name in comp.state_names]
                 row["memory"]["state_bytes"] = sum(t.numel() * t.element_size() for t in state
                                                    if isinstance(t, torch.Tensor))
             secs, host = _time_calls(buf, x, spec, comp, pow2, args["warmup"], args["iters"])
@@ -512,7 +513,8 @@ def print_sweep(P, res, report, cfg):
     for (stages, bits), rows in groups.items():
         print(f"\nEcho all-reduce, P = {P} ranks, bf16, {bits}-bit, g = {cfg['group_size']}, {cfg['quantizer']}, "
               f"rotation {cfg['rotation']}, "
-              f"compensated: the default forward direction (residual local); pow2_rescale={cfg['pow2']}; "
+              f"compensated: the default forward direction (residual local, state {cfg.get('state_dtype', 'bf16')}); "
+              f"pow2_rescale={cfg['pow2']}; "
               f"EchoBuffer(stages={stages!r}), path = the one the call took; "
               f"median of {cfg['iters']} (min..max); host = host time to issue one call; graph = per call of "
               f"{cfg['graph_reps']} back-to-back calls replayed from one CUDA graph; copy = a device copy of "
@@ -677,7 +679,7 @@ def main(argv=None):
                          "keeps the benchmark's own memory at one input per rank")
     ap.add_argument("--rotation", choices=("hadamard", "none"), default="hadamard",
                     help="the quantizer's rotation (default: the default configuration's)")
-    from echo_ds.config import EchoConfig
+    from echo_ds.config import EchoConfig, ForwardConfig
 
     defaults = EchoConfig.model_fields  # the "echo" section's defaults (docs/training.md chose them)
     ap.add_argument("--quantizer", default=defaults["quantizer"].default,
@@ -688,6 +690,8 @@ def main(argv=None):
                     help="calls per CUDA graph for the graph-replay columns (0: no graph timing)")
     ap.add_argument("--pow2", choices=("false", "true", "auto"), default="false",
                     help="the calls' pow2_rescale (default false; 'auto' is what forward sites use, 'true' backward)")
+    ap.add_argument("--state-dtype", choices=("bf16", "int8", "int4"), default=ForwardConfig().state_dtype,
+                    help="the compensated calls' stored state format (echo.forward.state_dtype; default %(default)s)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from echo_ds.p2p.buffer import kDefaultTileBytes
@@ -696,6 +700,7 @@ def main(argv=None):
            "iters": args.iters, "stages": args.stages.split(","), "graph_reps": args.graph_reps, "rotation": args.rotation,
            "quantizer": args.quantizer, "group_size": args.group_size, "bits": [int(b) for b in args.bits.split(",")],
            "pow2": {"false": False, "true": True, "auto": "auto"}[args.pow2], "check_max_bytes": args.check_max_bytes,
+           "state_dtype": args.state_dtype,
            "tile_bytes": kDefaultTileBytes if args.tile_bytes is None else args.tile_bytes,
            "tile_sweep_bytes": args.tile_sweep_bytes, "tile_sweep": [int(v) for v in args.tile_sweep.split(",")]}
     report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "date": time.strftime(

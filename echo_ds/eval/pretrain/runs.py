@@ -27,6 +27,12 @@ def _echo(**kw):
     return EchoConfig(**merged)
 
 
+def _defaults(**kw):
+    """The package defaults with ``kw`` on top."""
+    from echo_ds.config import EchoConfig
+    return EchoConfig(**kw)
+
+
 def _both(**direction):
     return {"forward": dict(direction), "backward": dict(direction)}
 
@@ -37,7 +43,7 @@ PRESETS = {
     "echo4": ("Echo 4-bit, the paper's method (zero-aware, g=128, dual compensator both directions, "
               "residual output, pow2 rescale)", lambda: _echo(bits=4), 0),
     "echo4-defaults": ("Echo 4-bit, the package defaults (hadamard, residual local, forward gain 1.0)",
-                       lambda: __import__("echo_ds.config", fromlist=["EchoConfig"]).EchoConfig(bits=4), 0),
+                       lambda: _defaults(bits=4), 0),
     "4bit-nocomp": ("4-bit quantized all-reduce, no compensation in either direction",
                     lambda: _echo(bits=4, **_both(compensate=False)), 0),
     "echo8": ("Echo 8-bit, the paper's method", lambda: _echo(bits=8), 0),
@@ -47,6 +53,12 @@ PRESETS = {
                     lambda: _echo(bits=4, **_both(residual="local")), 0),
     "echo4-hadamard-local": ("Echo 4-bit, rotation hadamard + residual local",
                              lambda: _echo(bits=4, rotation="hadamard", **_both(residual="local")), 0),
+    "echo4-defaults-int4": ("Echo 4-bit, the package defaults with the compensator state stored as int4",
+                            lambda: _defaults(bits=4, **_both(state_dtype="int4")), 0),
+    "echo4-defaults-int8": ("Echo 4-bit, the package defaults with the compensator state stored as int8",
+                            lambda: _defaults(bits=4, **_both(state_dtype="int8")), 0),
+    "4bit-nocomp-defaults": ("4-bit, the package defaults without compensation in either direction",
+                             lambda: _defaults(bits=4, **_both(compensate=False)), 0),
 }
 
 
