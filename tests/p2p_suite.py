@@ -560,3 +560,67 @@ def mismatch_body(rank, world_size, cfg):
             buf.close(abort=True, barrier=False)
             return {"call": call, "message": msg, "waited_s": time.perf_counter() - t0}
     raise AssertionError(f"rank {rank}: no EchoP2PMismatch")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mixed calls of one group, any of which any rank can check (tests/test_groups_gpu.py,
+# tests/test_faults_gpu.py)
+# ----------------------------------------------------------------------------------------------------
+
+# (spec, residual or None, pow2 mode, dtype or None): 4 and 8 bits, compensated with both residuals or not.
+# A compensated configuration keeps one dtype (and one size: MixedCalls), so that its state carries from
+# call to call; an uncompensated one cycles through the dtypes.
+MIX_CONFIGS = (
+    (QuantSpec(4, 64, "zero_aware_int", True), None, "auto", None),
+    (QuantSpec(4, 128, "zero_aware", False), "local", True, torch.bfloat16),
+    (QuantSpec(8, 64, "zero_aware", True), "output", False, torch.float32),
+    (QuantSpec(8, 256, "zero_aware_int", False), None, True, None),
+)
+
+
+class MixedCalls:
+    """An endless sequence of mixed Echo calls on one group of ``world_size`` ranks (MIX_CONFIGS in turn,
+    starting at ``offset``): every rank's input of call c comes from the seed ``seed`` and c, so that any
+    rank can form the specification of any call (the emulator on its device, with every rank's input).
+
+    sizes: the uncompensated calls' element counts, in turn; comp_numel: the compensated calls' one count.
+    A compensated configuration's emulated state must follow every one of its calls, so ``run`` emulates
+    each of them; the uncompensated ones only where asked.
+    """
+
+    def __init__(self, world_size, rank, device, sizes, comp_numel, seed, offset=0):
+        self.world_size, self.rank, self.device = world_size, rank, device
+        self.sizes, self.comp_numel, self.seed, self.offset = tuple(sizes), comp_numel, seed, offset
+        # config index -> (this rank's compensator, the emulator's, which holds every rank's state)
+        self.states = {i: (make_compensator(DirectionConfig(residual=r)), make_compensator(DirectionConfig(residual=r)))
+                       for i, (_, r, _, _) in enumerate(MIX_CONFIGS) if r is not None}
+
+    def config(self, call):
+        """(config index, spec, residual, pow2, dtype, numel) of call ``call``."""
+        ci = (call + self.offset) % len(MIX_CONFIGS)
+        spec, residual, pow2, dtype = MIX_CONFIGS[ci]
+        if residual is None:
+            dtype = DTYPES[(call // len(MIX_CONFIGS)) % len(DTYPES)]
+            n = self.sizes[(call // len(MIX_CONFIGS)) % len(self.sizes)]
+        else:
+            n = self.comp_numel
+        return ci, spec, residual, pow2, dtype, n
+
+    def parts(self, call):
+        """Every rank's input of call ``call``: [P, n]."""
+        _, _, _, _, dtype, n = self.config(call)
+        return parts_for(self.world_size, n, dtype, self.seed + 7919 * call, self.device)
+
+    def run(self, reduce, call, check):
+        """Make call ``call`` as ``reduce(x, spec, compensator, pow2)``; returns (its output, the emulator's
+        result where ``check`` or the call is compensated, else None). Compare only after the backend
+        raised what it had to raise: a failed call's output is undefined."""
+        ci, spec, residual, pow2, _, _ = self.config(call)
+        parts = self.parts(call)
+        comp, comp_emul = self.states.get(ci, (None, None))
+        y = reduce(parts[self.rank].clone(), spec, comp, pow2)
+        expected = emulated_echo_all_reduce(parts, spec, comp_emul, pow2) if check or residual else None
+        return y, expected
+
+    def is_compensated(self, call):
+        return self.config(call)[2] is not None
