@@ -1,9 +1,8 @@
 #!/bin/bash
 # One GPU call (issue 35, items 3-5): the JIT build; several groups at once (DP 2 x TP 2 on four ranks sharing
 # the GPU, a call on the wrong group refused: tests/test_groups_gpu.py); a rank killed, stopped, or stopped and
-# resumed in the middle of a long run at P = 2 and 4 (tests/test_faults_gpu.py; its
-# test_resumed_rank_returns_no_wrong_result is expected to fail, "xfailed", for the defect its docstring
-# describes); then a short soak (tests/test_soak_gpu.py, ECHO_SOAK_CALLS per world size, default 2000). The
+# resumed in the middle of a long run at P = 2 and 4 (tests/test_faults_gpu.py; the resumed rank must
+# return no wrong result: a rank whose wait failed publishes no flag); then a short soak (tests/test_soak_gpu.py, ECHO_SOAK_CALLS per world size, default 2000). The
 # steps' limits add up to 450 s after the build.
 #
 #   OUT=/some/dir bash benchmarks/gpu_reliability.sh

@@ -136,14 +136,23 @@ __device__ __forceinline__ void finish_launch(P2PControl* control, uint64_t epoc
 #endif
 constexpr bool kSignalFence = ECHO_P2P_SIGNAL_FENCE != 0;
 
-// After the block's data writes: thread t < P, t != rank, publishes flags[t]->field[rank][block] = tag.
+// Whether a wait of this rank failed, in this call or an earlier one (record_failure poisoned the control
+// block). Such a rank publishes no flag: what it would vouch for was computed from data it never received,
+// and a peer that arrives late (stopped, then resumed) must time out on it rather than take it as the
+// call's (a silent wrong result). Every later call of the rank fails at once anyway.
+__device__ __forceinline__ bool rank_failed(const P2PAllReduceArgs& a) {
+  return *reinterpret_cast<volatile uint32_t*>(&a.control->poisoned) != 0;
+}
+
+// After the block's data writes: thread t < P, t != rank, publishes flags[t]->field[rank][block] = tag,
+// unless a wait of this rank failed (rank_failed).
 // NOTE: the barrier orders every thread's writes before the fence of the publishing thread, whose
 // cumulativity makes them visible system-wide before its release store.
 template <int kWorld, bool kGather>
 __device__ __forceinline__ void signal_peers(const P2PAllReduceArgs& a, uint64_t tag) {
   __syncthreads();
   const int t = static_cast<int>(threadIdx.x);
-  if (t < kWorld && t != a.rank) {
+  if (t < kWorld && t != a.rank && !rank_failed(a)) {
     if constexpr (kSignalFence) __threadfence_system();
     P2PFlags* f = a.flags[t];
     st_release_sys(kGather ? &f->gather[a.rank][blockIdx.x] : &f->push[a.rank][blockIdx.x], tag);
@@ -206,7 +215,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
         warp_max[0] = atomicExch(&control->amax_bits, 0u);  // every block's max is in; 0 for the next call
       }
       __syncthreads();
-      if (t < kWorld) {
+      if (t < kWorld && !rank_failed(a)) {
         a.flags[t]->amax[me] = __uint_as_float(warp_max[0]);
         __threadfence_system();
         st_release_sys(&a.flags[t]->amax_flag[me], tag);

@@ -105,7 +105,9 @@ __global__ void echo_p2p_put_kernel(const P2PPutArgs p) {
   }
   __syncthreads();
   if (!is_last) return;
-  if (threadIdx.x < p.num_flags) {
+  // A rank whose wait failed publishes no flag (its data was formed from what it never received; a peer
+  // that arrives late must time out, not take it: csrc/p2p_all_reduce.cuh, rank_failed).
+  if (threadIdx.x < p.num_flags && ld_volatile(&control->poisoned) == 0) {
     // NOTE: the other blocks' data writes happen-before their fence and arrival; this block acquired
     // them through the atomic and the fence below, and the release store publishes them with the flag.
     __threadfence_system();
@@ -119,7 +121,7 @@ __global__ void echo_p2p_put_kernel(const P2PPutArgs p) {
 // (earlier on this stream). One block of at least num_flags threads.
 __global__ void echo_p2p_signal_kernel(const P2PSignalArgs p) {
   const EchoP2PControl* control = p.control;
-  if (threadIdx.x < p.num_flags) {
+  if (threadIdx.x < p.num_flags && ld_volatile(&control->poisoned) == 0) {  // as the put kernel
     // NOTE: the data was written by earlier kernels of this stream; they completed before this one
     // started, and the system fence orders their writes, as this thread observes them, before the flag.
     __threadfence_system();

@@ -384,14 +384,11 @@ def test_resumed_rank_raises_and_every_rank_goes_on_with_the_reference(transport
 
 
 @pytest.mark.parametrize("transport,world_size", SETUPS)
-@pytest.mark.xfail(strict=True, reason="known defect (issue 35): a rank whose wait failed still publishes its flags "
-                   "(the transport's waits give up and the call runs on), so a peer that comes back late takes "
-                   "them for its call's and returns a wrong result without an error")
 def test_resumed_rank_returns_no_wrong_result(transport, world_size):
-    """Every call of every rank, the resumed one included, is bit-identical to the emulator or raises. Seen
-    on the CPU (host transport, 2026-12-06): the resumed rank's first call after SIGCONT returned without an
-    error and differed from the emulator; its next call raised EchoP2PTimeout. The one-launch kernel does
-    the same (csrc/p2p_all_reduce.cuh: wait_peers ignores a failed wait_flag and signal_peers runs
-    regardless), so on the GPU the resumed rank is expected to meet the survivors' flags of its call too."""
+    """Every call of every rank, the resumed one included, is bit-identical to the emulator or raises. Before
+    the fix (seen on the CPU, host transport, 2026-12-06) the resumed rank's first call after SIGCONT returned
+    without an error and differed from the emulator: the survivors, whose waits had failed, still published
+    their flags. Now a rank whose wait failed publishes none (csrc/p2p_all_reduce.cuh rank_failed, the
+    staged put and signal kernels, HostTransport), so the late rank times out instead."""
     out = _outcome(transport, world_size, "resume")
     assert {r: out["results"][r]["mismatches"] for r in range(world_size)} == {r: [] for r in range(world_size)}

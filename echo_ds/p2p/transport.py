@@ -350,6 +350,8 @@ class HostTransport:
         for src, src_off, n, peer, region, dst_off in copies:
             src_bytes = src.reshape(-1).view(torch.uint8)
             self.peer[peer][region][dst_off:dst_off + n].copy_(src_bytes[src_off:src_off + n])
+        if self.control.poisoned:  # a rank whose wait failed publishes no flag (as the CUDA kernels)
+            return
         value = self._u32(self.control.base + stage_offset)
         for peer, off in flags:
             self._words[peer][off // 4] = value
@@ -385,6 +387,8 @@ class HostTransport:
 
     def signal(self, handle, stream=None) -> None:
         flags, stage_offset, value = handle
+        if self.control.poisoned:  # as put()
+            return
         v = self._u32(self.control.base + stage_offset if value is None else value)
         for peer, off in flags:
             self._words[peer][off // 4] = v
