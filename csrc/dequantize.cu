@@ -80,7 +80,6 @@ void launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   }
   if (a.src.update_state) {
     check_contribution(a.src);
-    ECHO_HOST_ASSERT(bf16_or_no_state(a.src), "the stages hold the bf16 state only");
     ECHO_HOST_ASSERT(a.src.x_dtype == a.out_dtype, "the update reads x of the output's dtype");
   }
   if (a.num_groups == 0 || a.num_segments == 0) return;

@@ -21,8 +21,7 @@
 // by that same pass from the rounding error it holds in registers; with residual "output" the dequantize
 // reads it again and updates it. No correction, residual or other fp32 array is written: with bf16 the
 // state costs 8 bytes per element per call ("local"; pow2 rescaling adds a read of 4 in its max pass;
-// "output" reads it twice, 12), with int4 2 + 2/g. The stages of this header hold the bf16 state only; the
-// one-launch kernel (launch_p2p_all_reduce) holds every format.
+// "output" reads it twice, 12), with int4 2 + 2/g.
 //
 // Wire format of one segment (the reference's packet, echo_ds/reference.py::_packet): codes
 // [G, g * b / 8] uint8 (4-bit: element 2k in the low nibble of byte k), then scales [G] fp16, then

@@ -201,7 +201,7 @@ const float* opt_scalar(const OptTensor& t, const char* name) { return present(t
 
 // r' = rotate(x) + c of this rank (echo::Contribution); x is checked by the caller and l is its layout.
 // update_state: the stage folds its residual into the state in place. The state (m1, m2, exponent) is in any
-// stored format (state_format); the stages' launchers accept bf16 only, the one-launch kernel every format.
+// stored format (state_format).
 echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
                                      const OptTensor& exponent, bool update_state, const std::vector<double>& coeffs,
                                      const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
@@ -236,14 +236,7 @@ echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, c
   return s;
 }
 
-// The stages hold the bf16 state only (a narrow state runs on the one-launch kernel).
-void check_bf16_state(const OptTensor& m1) {
-  TORCH_CHECK(!present(m1) || m1->scalar_type() == at::kBFloat16,
-              "the staged kernels hold the compensator state as bfloat16 only, got m1 ", m1->scalar_type(),
-              " (a narrow state_dtype runs on the one-launch kernel, P2PRuntime.all_reduce)");
-}
-
-void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
+void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& exponent,
                    const std::vector<at::Tensor>& codes, const std::vector<at::Tensor>& scales,
                    const std::vector<at::Tensor>& zeros, bool update_state, const OptTensor& pow2_amax,
                    int64_t rank, int64_t world_size, int64_t group_size, int64_t bits, int64_t quantizer,
@@ -256,8 +249,7 @@ void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2
   check_rank(rank, world_size, "push_quantize");
   num_groups =
       tile_count(group_begin, num_groups, a.layout.groups_per_segment, "the segment's groups", "push_quantize");
-  check_bf16_state(m1);
-  a.src = make_contribution(x, m1, m2, c10::nullopt, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  a.src = make_contribution(x, m1, m2, exponent, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.quantizer = quantizer_of(quantizer);
@@ -269,7 +261,7 @@ void push_quantize(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2
   echo::launch_push_quantize(a, as_stream(stream));
 }
 
-void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
+void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& exponent,
                   const std::vector<at::Tensor>& in_codes, const std::vector<at::Tensor>& in_scales,
                   const std::vector<at::Tensor>& in_zeros, const std::vector<at::Tensor>& out_codes,
                   const std::vector<at::Tensor>& out_scales, const std::vector<at::Tensor>& out_zeros,
@@ -284,8 +276,7 @@ void owner_reduce(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
   check_rank(rank, world_size, "owner_reduce");
   num_groups =
       tile_count(group_begin, num_groups, a.layout.groups_per_segment, "the segment's groups", "owner_reduce");
-  check_bf16_state(m1);
-  a.src = make_contribution(x, m1, m2, c10::nullopt, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  a.src = make_contribution(x, m1, m2, exponent, update_state, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.rank = static_cast<int32_t>(rank);
   a.bits = static_cast<int32_t>(bits);
   a.quantizer = quantizer_of(quantizer);
@@ -303,7 +294,8 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
                 int64_t group_size, int64_t bits, int64_t quantizer, const std::vector<int64_t>& hadamard_signs,
                 double hadamard_norm,
                 int64_t segment_begin, int64_t num_segments, int64_t group_begin, int64_t num_groups,
-                const OptTensor& x, const OptTensor& m1, const OptTensor& m2, const std::vector<double>& coeffs,
+                const OptTensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& exponent,
+                const std::vector<double>& coeffs,
                 int64_t stream) {
   check_tensor(out, "out");
   check_bits(bits);
@@ -326,8 +318,7 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
   if (present(x)) {
     check_tensor(*x, "x");
     check_like(*x, "x", out, "out", "dequantize");
-    check_bf16_state(m1);
-    a.src = make_contribution(*x, m1, m2, c10::nullopt, true, coeffs, hadamard_signs, hadamard_norm, a.layout);
+    a.src = make_contribution(*x, m1, m2, exponent, true, coeffs, hadamard_signs, hadamard_norm, a.layout);
   } else {
     a.src.hadamard = make_hadamard(hadamard_signs, hadamard_norm, group_size);
   }
@@ -336,13 +327,13 @@ void dequantize(const at::Tensor& out, const std::vector<at::Tensor>& codes, con
 }
 
 void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor& m1, const OptTensor& m2,
+               const OptTensor& exponent,
                int64_t world_size, int64_t group_size,
                const std::vector<int64_t>& hadamard_signs, double hadamard_norm, const std::vector<double>& coeffs, int64_t stream) {
   check_tensor(x, "x");
   echo::Pow2AmaxArgs a{};
   a.layout = make_layout(x.numel(), world_size, group_size);
-  check_bf16_state(m1);
-  a.src = make_contribution(x, m1, m2, c10::nullopt, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
+  a.src = make_contribution(x, m1, m2, exponent, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
   a.amax_out = scalar_f32(amax_out, "amax_out");
   echo::launch_pow2_amax(a, as_stream(stream));
 }
@@ -400,7 +391,8 @@ class P2PRuntime {
   // state), 1 "local", 2 "output"; (m1, m2, exponent) the state in its stored format (make_contribution),
   // padded length, when residual != 0.
   void all_reduce(const at::Tensor& x, const at::Tensor& y, const OptTensor& m1, const OptTensor& m2,
-                  const OptTensor& exponent, const std::vector<double>& coeffs, int64_t residual, int64_t pow2, int64_t group_size, int64_t bits,
+                  const OptTensor& exponent, const std::vector<double>& coeffs, int64_t residual, int64_t pow2,
+                  int64_t group_size, int64_t bits,
                   int64_t quantizer, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                   int64_t descriptor, int64_t stream) {
     TORCH_CHECK(control_ != nullptr, "P2PRuntime: closed");
@@ -662,12 +654,12 @@ void bind_p2p_transport(pybind11::module_& m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "Echo CUDA kernels (echo_ds.ops): entry, owner reduce, dequantize (the compensator's update fused), pow2 amax";
-  m.def("push_quantize", &push_quantize, py::arg("x"), py::arg("m1"), py::arg("m2"),
+  m.def("push_quantize", &push_quantize, py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("exponent"),
         py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("update_state"), py::arg("pow2_amax"),
         py::arg("rank"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("quantizer"),
         py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("group_begin"),
         py::arg("num_groups"), py::arg("stream"));
-  m.def("owner_reduce", &owner_reduce, py::arg("x"), py::arg("m1"), py::arg("m2"),
+  m.def("owner_reduce", &owner_reduce, py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("exponent"),
         py::arg("in_codes"), py::arg("in_scales"), py::arg("in_zeros"), py::arg("out_codes"), py::arg("out_scales"),
         py::arg("out_zeros"), py::arg("update_state"), py::arg("pow2_amax"), py::arg("rank"), py::arg("world_size"),
         py::arg("group_size"), py::arg("bits"), py::arg("quantizer"), py::arg("hadamard_signs"),
@@ -676,9 +668,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, py::arg("out"), py::arg("codes"), py::arg("scales"), py::arg("zeros"),
         py::arg("pow2_amax"), py::arg("world_size"), py::arg("group_size"), py::arg("bits"), py::arg("quantizer"),
         py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("segment_begin"), py::arg("num_segments"),
-        py::arg("group_begin"), py::arg("num_groups"), py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("coeffs"),
+        py::arg("group_begin"), py::arg("num_groups"), py::arg("x"), py::arg("m1"), py::arg("m2"),
+        py::arg("exponent"), py::arg("coeffs"),
         py::arg("stream"));
-  m.def("pow2_amax", &pow2_amax, py::arg("x"), py::arg("amax_out"), py::arg("m1"), py::arg("m2"),
+  m.def("pow2_amax", &pow2_amax, py::arg("x"), py::arg("amax_out"), py::arg("m1"), py::arg("m2"), py::arg("exponent"),
         py::arg("world_size"), py::arg("group_size"), py::arg("hadamard_signs"),
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
   py::class_<P2PRuntime>(m, "P2PRuntime")

@@ -95,9 +95,6 @@ inline void check_contribution(const Contribution& s) {
   }
 }
 
-// Whether a stage of echo_api.cuh holds this state (they hold bf16 only; the one-launch kernel every format).
-inline bool bf16_or_no_state(const Contribution& s) { return s.m1 == nullptr || s.state == StateFormat::kBf16; }
-
 // The uncompensated instantiation of a stage applies: neither compensation nor rotation (rs = x 2^k).
 inline bool is_uncompensated(const Contribution& s) { return s.m1 == nullptr && s.hadamard.enabled == 0; }
 

@@ -21,7 +21,6 @@ void launch_owner_reduce(const OwnerReduceArgs& a, cudaStream_t stream) {
                      "owner reduce needs the copy of every other rank");
   }
   check_contribution(a.src);
-  ECHO_HOST_ASSERT(bf16_or_no_state(a.src), "the stages hold the bf16 state only");
   if (a.num_groups == 0) return;
   if (is_uncompensated(a.src)) {
     launch_owner_reduce_kernel<true>(a, stream);  // owner_reduce_uncompensated.cu

@@ -105,7 +105,6 @@ void launch_push_quantize(const PushQuantizeArgs& a, cudaStream_t stream) {
                        a.group_begin + a.num_groups <= a.layout.groups_per_segment,
                    "group range outside the segment");
   check_contribution(a.src);
-  ECHO_HOST_ASSERT(bf16_or_no_state(a.src), "the stages hold the bf16 state only");
   if (a.num_groups == 0) return;
   ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, (void)kWorld);  // raises for unsupported P
   ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {

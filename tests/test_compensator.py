@@ -428,22 +428,21 @@ def test_narrow_state_steps_follow_each_groups_magnitude(state_dtype):
     assert float(step.max() / step.min()) > 1e3  # a step per group, not per tensor
 
 
-@pytest.mark.parametrize("state_dtype", ("int4", "int8"))
-def test_the_staged_kernels_refuse_a_narrow_state_before_any_stage(state_dtype):
-    # The staged kernels take bf16 m1, m2 alone; "int4" holds neither (its Nones must not pass for "no
-    # compensator"). The schedule refuses at begin(), before a flag is raised; the policy routes a
-    # narrow state elsewhere (echo_ds.p2p.policy.call_decision).
+@pytest.mark.parametrize("state_dtype", ("bf16", "int8", "int4"))
+def test_the_staged_schedule_hands_the_kernels_every_stored_format(state_dtype):
+    # The stages take the state as kernel_state gives it: "int4" its packed bytes q in m1's place (its own
+    # m1, m2 are None, which must not pass for "no compensator"), "int8" the exponents beside m1 and m2.
     from echo_ds.ops import kernels as K
     from echo_ds.p2p.stages import KernelSchedule
 
-    sched = object.__new__(KernelSchedule)  # begin() needs the kernels' module only, no transport
+    sched = object.__new__(KernelSchedule)  # begin() and _state() need the kernels' module only
     sched.ops = K
     x = torch.randn(256)
     comp = make(state_dtype=state_dtype)
     comp.correction((2, 2, 64), "cpu")
-    names = ", ".join(comp.state_names)
-    with pytest.raises(K.UnsupportedStateDtype, match=f"state_dtype '{state_dtype}' \\({names}\\)"):
-        sched.begin(x, torch.empty_like(x), comp, False)
-    bf16 = make()
-    sched.begin(x, torch.empty_like(x), bf16, False)
-    assert sched._state()["m1"] is bf16.m1
+    sched.begin(x, torch.empty_like(x), comp, False)
+    state = sched._state()
+    assert state["coeffs"] is comp and state["m1"] is (comp.q if state_dtype == "int4" else comp.m1)
+    assert state["m2"] is comp.m2 and state["exponent"] is comp.exponent
+    assert K._state_args(state["m1"], state["m2"], state["exponent"], comp)[:3] == (state["m1"], state["m2"],
+                                                                                    state["exponent"])

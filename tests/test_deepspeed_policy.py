@@ -179,19 +179,22 @@ def test_a_narrow_compensator_state_keeps_the_p2p_transport(log):
     assert [lvl for lvl, _ in log.records] == ["warning"]
 
 
-def test_the_kernel_wrappers_refuse_a_narrow_state():
+def test_the_kernel_wrappers_take_every_stored_format_and_refuse_a_mismatch():
     from echo_ds.compensator import Compensator
     from echo_ds.config import DirectionConfig
     from echo_ds.ops import kernels as K
 
-    comp = Compensator(DirectionConfig(state_dtype="int8"))
-    comp.correction((2, 1, 64), "cpu")
-    with pytest.raises(K.UnsupportedStateDtype, match="staged kernels .* state_dtype 'int8' with m1 torch.int8"):
-        K._state_args(comp.m1, comp.m2, comp)
-    packed = Compensator(DirectionConfig(state_dtype="int4"))  # m1, m2 None: its state is q
-    packed.correction((2, 1, 64), "cpu")
-    with pytest.raises(K.UnsupportedStateDtype, match="state_dtype 'int4' with m1 None"):
-        K._state_args(packed.m1, packed.m2, packed)
-    bf16 = Compensator(DirectionConfig())
-    bf16.correction((2, 1, 64), "cpu")
-    assert K._state_args(bf16.m1, bf16.m2, bf16)[0] is bf16.m1
+    comps = {}
+    for state_dtype in ("bf16", "int8", "int4"):
+        comp = comps[state_dtype] = Compensator(DirectionConfig(state_dtype=state_dtype))
+        comp.correction((2, 1, 64), "cpu")
+        state = K.kernel_state(comp)
+        assert K._state_args(state["m1"], state["m2"], state["exponent"], comp)[:3] == tuple(state.values())
+    # An "int4" compensator's own m1, m2 are None: passed as they are, they would read as "no compensator".
+    with pytest.raises(ValueError, match="come with the state's m1"):
+        K._state_args(comps["int4"].m1, comps["int4"].m2, comps["int4"].exponent, comps["int4"])
+    with pytest.raises(ValueError, match="come with the state's m1"):
+        K._state_args(None, None, None, comps["int4"])
+    # codes handed over with another format's coefficients
+    with pytest.raises(K.UnsupportedStateDtype, match="state_dtype 'bf16' takes"):
+        K._state_args(comps["int8"].m1, comps["int8"].m2, comps["int8"].exponent, comps["bf16"])

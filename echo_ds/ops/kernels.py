@@ -47,10 +47,8 @@ SUPPORTED_GROUP_SIZES = (64, 128, 256)
 # (csrc/echo_api.cuh), which the one-launch call's descriptor uses too; the p2p transport takes the same.
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Stored formats of the compensator's state (echo.<direction>.state_dtype, echo_ds.compensator, "Storage";
-# csrc/echo_api.cuh, StateFormat) the kernels hold: the one-launch kernel every format, the staged kernels
-# bf16 only (the p2p transport sends a call with a narrow state to the one-launch kernel at every size).
+# csrc/echo_api.cuh, StateFormat) that every kernel holds, staged and one-launch.
 SUPPORTED_STATE_DTYPES = ("bf16", "int8", "int4")
-STAGED_STATE_DTYPES = ("bf16",)
 # Every code buffer must start on a 16-byte boundary (the kernels store codes as 8/16-byte vectors).
 kCodeAlignmentBytes = 16
 
@@ -217,55 +215,71 @@ def _coeffs(coeffs) -> list:
 # ----------------------------------------------------------------------------------------------------
 
 class UnsupportedStateDtype(TypeError):
-    """The staged kernels were handed a compensator state in a format they do not hold (STAGED_STATE_DTYPES)."""
+    """The kernels were handed a compensator state in a format they do not hold (SUPPORTED_STATE_DTYPES)."""
 
 
-def _state_args(m1, m2, coeffs):
-    if (m1 is None) != (m2 is None):
-        raise ValueError("m1 and m2 come together")
-    if m1 is not None and coeffs is None:
+def kernel_state(compensator) -> dict:
+    """The compensator's state as every kernel takes it, {m1, m2, exponent} in its stored format
+    (echo_ds/compensator.py, "Storage"; csrc/echo_binding.cpp, state_format): "bf16" (m1, m2, None),
+    "int8" (m1, m2, exponent), "int4" (its packed bytes q as m1, None, exponent). Empty without one."""
+    if compensator is None:
+        return {}
+    if compensator.state_dtype == "int4":
+        return dict(m1=compensator.q, m2=None, exponent=compensator.exponent)
+    return dict(m1=compensator.m1, m2=compensator.m2, exponent=compensator.exponent)
+
+
+# The dtypes of (m1, m2, exponent) of each stored format, as kernel_state gives them.
+_STATE_ARG_DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16, None), "int8": (torch.int8, torch.int8, torch.int8),
+                     "int4": (torch.uint8, None, torch.int8)}
+
+
+def _state_args(m1, m2, exponent, coeffs):
+    """(m1, m2, exponent, coefficients) checked against the stored format ``coeffs.state_dtype`` names."""
+    if m1 is None:
+        if m2 is not None or exponent is not None or coeffs is not None:
+            # e.g. an "int4" compensator's own m1, m2 (None: its state is q), which would read as "none"
+            raise ValueError("m2, exponent and coeffs come with the state's m1 (pass kernel_state(compensator))")
+        return None, None, None, []
+    if coeffs is None:
         raise ValueError("compensating from the state (m1, m2) needs coeffs")
-    # An "int4" compensator's m1 and m2 are None (its state is q): the stored format, not their presence,
-    # decides.
     state_dtype = getattr(coeffs, "state_dtype", "bf16")
-    if state_dtype not in STAGED_STATE_DTYPES or (m1 is not None and (m1.dtype != torch.bfloat16
-                                                                      or m2.dtype != torch.bfloat16)):
+    want = _STATE_ARG_DTYPES.get(state_dtype)
+    got = tuple(None if t is None else t.dtype for t in (m1, m2, exponent))
+    if want != got:
         raise UnsupportedStateDtype(
-            f"the staged kernels hold the compensator state as {STAGED_STATE_DTYPES} (bfloat16 m1, m2), got "
-            f"state_dtype {state_dtype!r} with m1 {getattr(m1, 'dtype', None)}, m2 {getattr(m2, 'dtype', None)}: "
-            f"a narrow state runs on the "
-            f"one-launch kernel (EchoBuffer sends it there), or set \"state_dtype\": \"bf16\" in the "
-            f"direction's section of \"echo\"")
-    return m1, m2, _coeffs(coeffs)
+            f"state_dtype {state_dtype!r} takes (m1, m2, exponent) of dtypes {want} (echo_ds.ops.kernels."
+            f"kernel_state), got {got}; the kernels hold {SUPPORTED_STATE_DTYPES}")
+    return m1, m2, exponent, _coeffs(coeffs)
 
 
 def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, out: SegmentTable,
-                  m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None, coeffs=None,
-                  update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
+                  m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
+                  exponent: Optional[torch.Tensor] = None, coeffs=None, update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
                   group_begin: int = 0, num_groups: Optional[int] = None) -> None:
     """Stage 1 (entry / push) for groups [group_begin, group_begin + num_groups) of every sent segment.
 
     x: this rank's contribution, any shape, contiguous, float32 / float16 / bfloat16 (n elements).
     out: segment table; entry j != rank receives segment j's codes and fp16 (scale, zero). The owned
         segment is not touched: owner_reduce forms it from the same x (and state).
-    m1, m2: bfloat16 [>= padded] compensator state (echo_ds.compensator.kStateDtype); coeffs: a
-        Compensator or its coefficients.
+    m1, m2, exponent: the compensator state [>= padded] in its stored format (kernel_state gives them from a
+        Compensator); coeffs: the Compensator or its coefficients (which name the format: bf16 without one).
     update_state: residual "local": fold the sent groups' rounding error into m1, m2 in place
         (Compensator.update of those elements).
     pow2_amax: float32 [1] on the device, max |r'| over all ranks (None: no rescaling).
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
-    m1, m2, k = _state_args(m1, m2, coeffs)
+    m1, m2, e, k = _state_args(m1, m2, exponent, coeffs)
     with torch.cuda.device(x.device):
-        ops.push_quantize(x, m1, m2, *_table_args(out, world_size, x.device), bool(update_state), pow2_amax,
+        ops.push_quantize(x, m1, m2, e, *_table_args(out, world_size, x.device), bool(update_state), pow2_amax,
                           rank, world_size, spec.group_size, spec.bits, QUANTIZER_CODES[spec.quantizer], hs, hn,
                           k, group_begin, -1 if num_groups is None else num_groups, _stream(x.device))
 
 
 def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, copies: SegmentTable,
                  out: SegmentTable, m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
-                 coeffs=None, update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
+                 exponent: Optional[torch.Tensor] = None, coeffs=None, update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
                  group_begin: int = 0, num_groups: Optional[int] = None) -> None:
     """Stage 2 (owner reduce) for groups [group_begin, group_begin + num_groups) of the owned segment.
 
@@ -277,9 +291,9 @@ def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
-    m1, m2, k = _state_args(m1, m2, coeffs)
+    m1, m2, e, k = _state_args(m1, m2, exponent, coeffs)
     with torch.cuda.device(x.device):
-        ops.owner_reduce(x, m1, m2, *_table_args(copies, world_size, x.device),
+        ops.owner_reduce(x, m1, m2, e, *_table_args(copies, world_size, x.device),
                          *_table_args(out, world_size, x.device), bool(update_state), pow2_amax, rank, world_size,
                          spec.group_size, spec.bits, QUANTIZER_CODES[spec.quantizer], hs, hn, k, group_begin,
                          -1 if num_groups is None else num_groups, _stream(x.device))
@@ -289,7 +303,8 @@ def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered:
                pow2_amax: Optional[torch.Tensor] = None, segment_begin: int = 0,
                num_segments: Optional[int] = None, group_begin: int = 0,
                num_groups: Optional[int] = None, x: Optional[torch.Tensor] = None,
-               m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None, coeffs=None) -> None:
+               m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
+               exponent: Optional[torch.Tensor] = None, coeffs=None) -> None:
     """Stage 3 (gather / tail): y of segments [segment_begin, +num_segments), groups [group_begin, +num_groups).
 
     out: the result y, any shape, contiguous, float32 / float16 / bfloat16 (n elements; its numel fixes
@@ -303,21 +318,22 @@ def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered:
     hs, hn = _hadamard_args(spec)
     if (x is None) != (m1 is None):
         raise ValueError("dequantize: the state update needs x and the state (m1, m2) together")
-    m1, m2, k = _state_args(m1, m2, coeffs)
+    m1, m2, e, k = _state_args(m1, m2, exponent, coeffs)
     with torch.cuda.device(out.device):
         ops.dequantize(out, *_table_args(gathered, world_size, out.device), pow2_amax, world_size, spec.group_size,
                        spec.bits, QUANTIZER_CODES[spec.quantizer], hs, hn, segment_begin, -1 if num_segments is None else num_segments, group_begin,
-                       -1 if num_groups is None else num_groups, x, m1, m2, k, _stream(out.device))
+                       -1 if num_groups is None else num_groups, x, m1, m2, e, k, _stream(out.device))
 
 
 def pow2_amax(x: torch.Tensor, amax_out: torch.Tensor, *, world_size: int, spec: QuantSpec,
-              m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None, coeffs=None) -> None:
+              m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
+              exponent: Optional[torch.Tensor] = None, coeffs=None) -> None:
     """amax_out (float32 [1]) = max |rotate(x) + c| over this rank's padded tensor (NaN propagates).
 
     Reduce it over the ranks (all_reduce MAX) before handing it to the stages as ``pow2_amax``.
     """
     ops = _ops()
     hs, hn = _hadamard_args(spec)
-    m1, m2, k = _state_args(m1, m2, coeffs)
+    m1, m2, e, k = _state_args(m1, m2, exponent, coeffs)
     with torch.cuda.device(x.device):
-        ops.pow2_amax(x, amax_out, m1, m2, world_size, spec.group_size, hs, hn, k, _stream(x.device))
+        ops.pow2_amax(x, amax_out, m1, m2, e, world_size, spec.group_size, hs, hn, k, _stream(x.device))

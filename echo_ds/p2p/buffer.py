@@ -55,7 +55,7 @@ from echo_ds.p2p import policy
 from echo_ds.p2p import protocol as proto
 from echo_ds.p2p.stages import KernelSchedule, Schedule, TorchSchedule, schedule_key
 from echo_ds.log import log_once
-from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES, STAGED_STATE_DTYPES
+from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES, kernel_state
 from echo_ds.quant import QuantSpec
 from echo_ds.reference import check_differentiable_input, echo_all_reduce
 
@@ -106,18 +106,8 @@ def _raw_stream(device: torch.device) -> int:
 
 
 def _state_dtype(compensator) -> str:
-    """The compensator's stored state format ("bf16" without a compensator). The one-launch kernel holds
-    every format, the staged pipeline bf16 only (echo_ds.ops.kernels.STAGED_STATE_DTYPES)."""
+    """The compensator's stored state format ("bf16" without a compensator)."""
     return "bf16" if compensator is None else getattr(compensator, "state_dtype", "bf16")
-
-
-def _kernel_state(c):
-    """The compensator's state as the one-launch kernel takes it, (m1, m2, exponent) in its stored format
-    (echo_ds/compensator.py, "Storage"; csrc/echo_binding.cpp, state_format): bf16 (m1, m2, None), int8
-    (m1, m2, exponent), int4 (the packed bytes q, None, exponent)."""
-    if c.state_dtype == "int4":
-        return c.q, None, c.exponent
-    return c.m1, c.m2, c.exponent
 
 
 def _default_timeout() -> float:
@@ -431,11 +421,6 @@ class EchoBuffer:
                 dtype=x.dtype, numel=x.numel(), element_size=x.element_size(), world_size=self.world_size,
                 bits=spec.bits, group_size=spec.group_size, capacity=self.capacity, telemetry=telemetry,
                 device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype), state_dtype=state_dtype)
-            if decision and state_dtype not in STAGED_STATE_DTYPES and not self._one_launch_serves(spec, x.dtype):
-                decision = self._decisions[key] = policy.Decision(
-                    False, f"the compensator's state_dtype {state_dtype!r} runs on the one-launch kernel only, "
-                           f"which does not run this call (stages={self.stages!r}, {self.transport.kind} "
-                           f"transport); it runs on the reference path")
         return decision
 
     def _one_launch_serves(self, spec: QuantSpec, dtype: torch.dtype) -> bool:
@@ -484,9 +469,8 @@ class EchoBuffer:
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
                                    site=site, direction=direction)
         self.check()
-        staged_state = _state_dtype(compensator) in STAGED_STATE_DTYPES
         if self._runtime is not None and (x.numel() * x.element_size() <= self.one_launch_max_bytes
-                                          or not staged_state or not self._fits_staged(x, spec)):
+                                          or not self._fits_staged(x, spec)):
             plan = self._one_launch_plan(x, spec, compensator, pow2_rescale, site, direction)
             if plan is not None:
                 if len(self._plans) >= 4096:
@@ -579,8 +563,9 @@ class EchoBuffer:
         c._ensure(state_shape, self.device)
         coeffs = [c.gain, c.blend, c.one_minus_blend, c.slow_decay, c.one_minus_slow, c.fast_decay,
                   c.one_minus_fast]
-        self._runtime.all_reduce(x, y, *_kernel_state(c), coeffs, residual, pow2, g, bits, quantizer_code, signs,
-                                 norm, descriptor, stream)
+        state = kernel_state(c)
+        self._runtime.all_reduce(x, y, state["m1"], state["m2"], state["exponent"], coeffs, residual, pow2, g, bits,
+                                 quantizer_code, signs, norm, descriptor, stream)
         c.num_calls += 1  # as Compensator.update does; the kernel updated the state
         return y
 

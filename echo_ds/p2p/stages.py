@@ -194,15 +194,6 @@ class KernelSchedule(Schedule):
         self.tail_ranges = [(a, b - a) for a, b in ((0, me), (me + 1, P)) if b > a]
 
     def begin(self, x, y, compensator, pow2) -> None:
-        # The staged kernels take the state as bf16 m1 and m2 alone: an "int8" state's exponents have no
-        # argument there, and an "int4" state holds no m1, m2 (its Nones would pass as "no compensator").
-        # Refused before any stage runs, so no peer waits on a flag this rank never raises.
-        if compensator is not None and compensator.state_names != ("m1", "m2"):
-            raise self.ops.UnsupportedStateDtype(
-                f"the staged kernels take the compensator state as bfloat16 m1, m2, got state_dtype "
-                f"{compensator.state_dtype!r} ({', '.join(compensator.state_names)}): a narrow state runs on the "
-                f"one-launch kernel or the reference path, never the staged pipeline; or set \"state_dtype\": "
-                f"\"bf16\" in the direction's section of \"echo\"")
         self.x, self.y, self.comp, self.pow2 = x, y, compensator, pow2
         # Where the state is updated (echo_ds.ops): by the entry and the owner reduce from the rounding
         # error they hold (residual "local"), or by the dequantize from s_hat (residual "output").
@@ -211,7 +202,7 @@ class KernelSchedule(Schedule):
 
     def _state(self):
         c = self.comp
-        return dict(m1=c.m1, m2=c.m2, coeffs=c) if c is not None else {}
+        return dict(**self.ops.kernel_state(c), coeffs=c) if c is not None else {}
 
     def _output_update(self):
         """The dequantize's arguments for the update of residual "output" (none otherwise)."""
