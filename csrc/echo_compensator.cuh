@@ -23,7 +23,7 @@ constexpr int kMaxStateExp = 126;
 // first kCodeWords words of m1[c] and m2[c] are its int8 codes; kInt4: the first kCodeWords words of m1[c]
 // are its bytes (m1's code in the low nibble, m2's in the high). The formats share the registers: a caller
 // holds one StateWords whatever the format. The integer formats' exponent is not held: it is read where it
-// is used (state_exponent), one byte per group, so that the kernels at their register cap do not spill.
+// is used (state_step), one byte per group, so that the kernels at their register cap do not spill.
 struct StateWords {
   static constexpr int kWords = kChunkElems / 2;      // a chunk of bf16 values
   static constexpr int kCodeWords = kChunkElems / 4;  // a chunk of one-byte codes
