@@ -41,13 +41,12 @@
 #define ECHO_DISPATCH_WORLD_SIZE(world_size, kWorld, ...)                                         \
   switch (world_size) {                                                                            \
     case 2: { constexpr int kWorld = 2; __VA_ARGS__; break; }                                      \
-    case 3: { constexpr int kWorld = 3; __VA_ARGS__; break; }                                      \
     case 4: { constexpr int kWorld = 4; __VA_ARGS__; break; }                                      \
     case 8: { constexpr int kWorld = 8; __VA_ARGS__; break; }                                      \
     default:                                                                                       \
       ::echo::raise_error(__FILE__, __LINE__,                                                      \
                           "unsupported world size " + std::to_string(world_size) +                 \
-                              " (the kernels are built for 2, 3, 4, 8)");                          \
+                              " (the kernels are built for 2, 4, 8)");                             \
   }
 
 #define ECHO_DISPATCH_BITS(bits, kBitsName, ...)                                                   \

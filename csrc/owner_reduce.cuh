@@ -1,7 +1,7 @@
 // Stage 2, owner reduce, the kernel (internal to csrc/; the stage is described in owner_reduce.cu).
 // Two translation units instantiate it: owner_reduce.cu the full kernel (compensation, rotation, residual)
 // and the host entry point, owner_reduce_uncompensated.cu the uncompensated one (no compensation, rotation
-// or residual), so that the two halves of its 144 instantiations build in parallel.
+// or residual), so that the two halves of its instantiations build in parallel.
 #pragma once
 
 #include "echo_compensator.cuh"

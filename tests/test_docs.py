@@ -796,7 +796,7 @@ def support_matrix_problems(text: str) -> list:
         return bad
     kernels, quant, builder = "echo_ds/ops/kernels.py", "echo_ds/quant.py", "echo_ds/ops/builder.py"
     expect("ranks per tensor-parallel group", p2p, numbers(table["ranks per tensor-parallel group"][p2p]),
-           list(module_constant("echo_ds/ops/kernels.py", "ONE_LAUNCH_WORLD_SIZES")))
+           list(module_constant("echo_ds/ops/kernels.py", "KERNEL_WORLD_SIZES")))
     for col in (p2p, ref):
         expect("dtypes", col, re.findall(r"\b(?:fp32|fp16|bf16)\b", table["dtypes"][col]),
                [DTYPE_NAMES[d] for d in module_constant(kernels, "SUPPORTED_DTYPES")])

@@ -50,7 +50,7 @@ def enum(text: str, name: str) -> dict:
 
 
 def built_for(text: str) -> list:
-    """The sizes an error message says the kernels are built for ("... built for 2, 3, 4, 8)")."""
+    """The sizes an error message says the kernels are built for ("... built for 2, 4, 8)")."""
     m = re.search(r"built for ([\d, ]+)", text)
     assert m, "no 'built for ...' in the dispatch's error message"
     return numbers(m[1])
@@ -84,27 +84,39 @@ def snake(enumerator: str) -> str:
 # World sizes
 # ----------------------------------------------------------------------------------------------------
 
-def test_staged_world_sizes_are_the_staged_dispatch():
+def test_world_sizes_are_the_staged_dispatch():
     dispatch = macro(source("echo_device.cuh"), "ECHO_DISPATCH_WORLD_SIZE")
-    assert tuple(cases(dispatch)) == K.STAGED_WORLD_SIZES, "ECHO_DISPATCH_WORLD_SIZE (csrc/echo_device.cuh)"
-    assert tuple(built_for(dispatch)) == K.STAGED_WORLD_SIZES, "ECHO_DISPATCH_WORLD_SIZE's error message"
+    assert tuple(cases(dispatch)) == K.KERNEL_WORLD_SIZES, "ECHO_DISPATCH_WORLD_SIZE (csrc/echo_device.cuh)"
+    assert tuple(built_for(dispatch)) == K.KERNEL_WORLD_SIZES, "ECHO_DISPATCH_WORLD_SIZE's error message"
 
 
-def test_one_launch_world_sizes_are_the_one_launch_instantiations():
+def test_world_sizes_are_the_one_launch_instantiations():
     launch = source("p2p_all_reduce.cuh")
     for kernel in ("p2p_all_reduce_kernel", "p2p_plain_all_reduce_kernel"):
         sizes = sorted({int(p) for p in re.findall(rf"\b{kernel}<T, (\d+)\b", launch)})
-        assert tuple(sizes) == K.ONE_LAUNCH_WORLD_SIZES, f"{kernel}'s instantiations (csrc/p2p_all_reduce.cuh)"
+        assert tuple(sizes) == K.KERNEL_WORLD_SIZES, f"{kernel}'s instantiations (csrc/p2p_all_reduce.cuh)"
     runtime = re.findall(r"world_size == (\d+)", source("echo_binding.cpp"))
-    assert tuple(int(p) for p in runtime) == K.ONE_LAUNCH_WORLD_SIZES, "P2PRuntime's check (csrc/echo_binding.cpp)"
+    assert tuple(int(p) for p in runtime) == K.KERNEL_WORLD_SIZES, "P2PRuntime's check (csrc/echo_binding.cpp)"
     host = re.findall(r"\bP == (\d+)", source("p2p_all_reduce.cu"))
-    assert tuple(int(p) for p in host) == K.ONE_LAUNCH_WORLD_SIZES, "the launcher's check (csrc/p2p_all_reduce.cu)"
+    assert tuple(int(p) for p in host) == K.KERNEL_WORLD_SIZES, "the launcher's check (csrc/p2p_all_reduce.cu)"
 
 
 def test_the_tables_hold_the_largest_world_size():
-    largest = max(K.STAGED_WORLD_SIZES)
-    assert constant(source("echo_api.cuh"), "kMaxWorldSize") == largest == max(K.ONE_LAUNCH_WORLD_SIZES) == L.kMaxWorld
-    assert set(K.ONE_LAUNCH_WORLD_SIZES) <= set(K.STAGED_WORLD_SIZES), "a transport group runs both paths"
+    largest = max(K.KERNEL_WORLD_SIZES)
+    assert constant(source("echo_api.cuh"), "kMaxWorldSize") == largest == L.kMaxWorld
+
+
+def test_the_support_check_refuses_every_other_world_size():
+    """unsupported_reason, which the transport asks before it runs a kernel, takes exactly the declared sizes
+    and names both the size refused and the sizes built (P = 3 among the refused: no kernel has it)."""
+    spec = Q.QuantSpec(bits=4, group_size=min(K.SUPPORTED_GROUP_SIZES))
+    for world_size in range(1, 2 * max(K.KERNEL_WORLD_SIZES) + 1):
+        why = K.unsupported_reason(world_size, spec)
+        if world_size in K.KERNEL_WORLD_SIZES:
+            assert why is None, f"P = {world_size}: {why}"
+        else:
+            assert why is not None, f"P = {world_size} accepted"
+            assert f"world size {world_size} " in why and str(K.KERNEL_WORLD_SIZES) in why, why
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -223,9 +235,9 @@ def test_the_docs_state_the_hash_width_of_the_code():
 # ----------------------------------------------------------------------------------------------------
 
 def test_an_extension_built_for_other_sizes_is_named():
-    declared = SimpleNamespace(kMaxWorldSize=max(K.STAGED_WORLD_SIZES), kMinGroupSize=min(K.SUPPORTED_GROUP_SIZES),
+    declared = SimpleNamespace(kMaxWorldSize=max(K.KERNEL_WORLD_SIZES), kMinGroupSize=min(K.SUPPORTED_GROUP_SIZES),
                                kMaxGroupSize=max(K.SUPPORTED_GROUP_SIZES))
     assert K.extension_mismatches(declared) == []
     other = SimpleNamespace(**dict(vars(declared), kMaxWorldSize=16))
     (why,) = K.extension_mismatches(other)
-    assert "kMaxWorldSize 16" in why and f"declares {max(K.STAGED_WORLD_SIZES)}" in why
+    assert "kMaxWorldSize 16" in why and f"declares {max(K.KERNEL_WORLD_SIZES)}" in why

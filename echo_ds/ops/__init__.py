@@ -14,9 +14,8 @@ import time
 from typing import Optional
 
 from echo_ds.ops.kernels import (  # noqa: F401
-    ONE_LAUNCH_WORLD_SIZES,
+    KERNEL_WORLD_SIZES,
     QUANTIZER_CODES,
-    STAGED_WORLD_SIZES,
     SUPPORTED_DTYPES,
     SUPPORTED_GROUP_SIZES,
     SUPPORTED_STATE_DTYPES,

@@ -32,14 +32,12 @@ from echo_ds.quant import QuantSpec
 #
 # The kernels' quantizer argument: the quantizer's index in quant.QUANTIZERS (csrc/echo_api.cuh, Quantizer).
 QUANTIZER_CODES = {name: code for code, name in enumerate(Q.QUANTIZERS)}
-# World sizes the kernels are instantiated for (the reference path takes any P). The p2p transport serves
-# exactly the sizes of the one-launch kernel (csrc/p2p_all_reduce.cuh, P2PRuntime in csrc/echo_binding.cpp;
-# echo_ds.p2p.policy.group_decision), so every group it serves has its one-launch kernel. The staged kernels
-# (push_quantize, owner_reduce, dequantize, pow2_amax: ECHO_DISPATCH_WORLD_SIZE in csrc/echo_device.cuh) are
-# built for P = 3 as well, which no group of the transport reaches: only the wrappers below, called
-# directly, run it.
-STAGED_WORLD_SIZES = (2, 3, 4, 8)
-ONE_LAUNCH_WORLD_SIZES = (2, 4, 8)
+# World sizes the kernels are built for: the instantiations of the owner reduce (ECHO_DISPATCH_WORLD_SIZE in
+# csrc/echo_device.cuh, which push_quantize asks too, so that it refuses the others; dequantize and pow2_amax
+# take P as an argument) and of the one launch (csrc/p2p_all_reduce.cuh, P2PRuntime in
+# csrc/echo_binding.cpp), and so the sizes the p2p transport serves (echo_ds.p2p.policy.group_decision).
+# The reference path takes any P.
+KERNEL_WORLD_SIZES = (2, 4, 8)
 # Group sizes the kernels are built for (ECHO_DISPATCH_GROUP_SIZE); the p2p transport runs the stages of
 # the other powers of two through torch. Bit widths: all of quant.SUPPORTED_BITS.
 SUPPORTED_GROUP_SIZES = (64, 128, 256)
@@ -55,8 +53,8 @@ kCodeAlignmentBytes = 16
 
 def unsupported_reason(world_size: int, spec: QuantSpec, dtype: torch.dtype = torch.float16) -> Optional[str]:
     """Why the kernels cannot run this configuration (None: they can). Pure; needs no GPU."""
-    if world_size not in STAGED_WORLD_SIZES:
-        return f"unsupported world size {world_size} (the kernels are built for {STAGED_WORLD_SIZES})"
+    if world_size not in KERNEL_WORLD_SIZES:
+        return f"unsupported world size {world_size} (the kernels are built for {KERNEL_WORLD_SIZES})"
     if spec.group_size not in SUPPORTED_GROUP_SIZES:
         return f"group_size={spec.group_size} (the kernels are built for {SUPPORTED_GROUP_SIZES})"
     if dtype not in SUPPORTED_DTYPES:
@@ -69,7 +67,7 @@ def extension_mismatches(ext) -> List[str]:
     """Where the loaded extension (``ext``) was built for other sizes than the ones declared above: the
     bounds it exports (csrc/echo_api.cuh; its whole dispatch is pinned by tests/test_facts.py). The p2p
     transport checks them before it allocates (echo_ds.p2p.transport.CudaTransport). Pure."""
-    declared = {"kMaxWorldSize": max(STAGED_WORLD_SIZES), "kMinGroupSize": min(SUPPORTED_GROUP_SIZES),
+    declared = {"kMaxWorldSize": max(KERNEL_WORLD_SIZES), "kMinGroupSize": min(SUPPORTED_GROUP_SIZES),
                 "kMaxGroupSize": max(SUPPORTED_GROUP_SIZES)}
     return [f"{name} {int(getattr(ext, name))} (echo_ds/ops/kernels.py declares {value})"
             for name, value in declared.items() if int(getattr(ext, name)) != value]

@@ -55,7 +55,7 @@ from echo_ds.p2p import policy
 from echo_ds.p2p import protocol as proto
 from echo_ds.p2p.stages import KernelSchedule, Schedule, TorchSchedule, schedule_key
 from echo_ds.log import log_once
-from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES, kernel_state
+from echo_ds.ops.kernels import KERNEL_WORLD_SIZES, kernel_state
 from echo_ds.quant import QuantSpec
 from echo_ds.reference import check_differentiable_input, echo_all_reduce
 
@@ -252,8 +252,8 @@ class EchoBuffer:
         sharing = sum(1 for e in everyone if e["uuid"] == uuid)
         if self.stages not in ("auto", "fused"):
             why = f"stages={self.stages!r}"
-        elif self.world_size not in ONE_LAUNCH_WORLD_SIZES:
-            why = f"the one-launch kernel is built for {ONE_LAUNCH_WORLD_SIZES} ranks, not {self.world_size}"
+        elif self.world_size not in KERNEL_WORLD_SIZES:
+            why = f"the one-launch kernel is built for {KERNEL_WORLD_SIZES} ranks, not {self.world_size}"
         else:
             try:
                 # Ranks sharing a device get half of their even share: at the full share (every SM slot

@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from echo_ds.ops.kernels import ONE_LAUNCH_WORLD_SIZES, SUPPORTED_DTYPES, SUPPORTED_STATE_DTYPES
+from echo_ds.ops.kernels import KERNEL_WORLD_SIZES, SUPPORTED_DTYPES, SUPPORTED_STATE_DTYPES
 from echo_ds.p2p.layout import Capacity, make_tiling
 
 _FIX_BACKEND = 'set "backend": "reference" in the "echo" section of ds_config.json to use the reference path'
@@ -62,8 +62,8 @@ def group_decision(f: GroupFacts) -> Decision:
                                f"{_FIX_BACKEND}")
     if f.world_size == 1:
         return Decision(False, "the group has one rank: there is nothing to reduce")
-    if f.world_size not in ONE_LAUNCH_WORLD_SIZES:
-        return Decision(False, f"the p2p transport supports tensor-parallel sizes {ONE_LAUNCH_WORLD_SIZES}, and "
+    if f.world_size not in KERNEL_WORLD_SIZES:
+        return Decision(False, f"the p2p transport supports tensor-parallel sizes {KERNEL_WORLD_SIZES}, and "
                                f"this group has {f.world_size} ranks (set the tensor-parallel size, "
                                f"\"autotp_size\", to one of them, or {_FIX_BACKEND})")
     if not f.same_host:
