@@ -29,17 +29,18 @@ linear, so the feedback is the same in either domain and no inverse rotation of 
 The arithmetic order above is part of the numerics contract that the CUDA kernels reproduce: fp32, one
 rounding per operation, no fused multiply-add; the coefficients are rounded to fp32 once, here.
 
-Storage (``state_dtype``, one per direction). ``"bf16"``, the default: m1 and m2 are *stored* as
-bfloat16 (``kStateDtype``) and computed with in fp32: a stored value enters the arithmetic exactly (bf16 ->
-fp32 is exact), and each updated average is rounded once, to nearest even, when it is stored
-(:func:`store_state`). A value that is not finite after that rounding (a NaN or infinity carried by this
-call's residual, or a finite fp32 beyond bf16's range) is stored as +0: a non-finite call poisons its own
-output, never the state that later calls read. Why bf16 (numbers in docs/kernels.md, "Compensator state
-dtype"): the state is an estimate of a rounding error, so its own 2^-9 relative rounding is far below what
-it estimates (SmolLM2-135M at P = 4, 4-bit default, one run: all-reduce error 0.09022 against 0.09016 with
-an fp32 state, perplexity within the noise band), and bf16 has fp32's exponent range, so neither tiny
-gradients nor large activations leave it. With the update fused into the passes that hold the residual,
-a call reads the state once and writes it once: 8 bytes per element.
+Storage (``state_dtype``, one per direction; the default is ``"int4"``, below, and ``"bf16"`` stays
+selectable). ``"bf16"``: m1 and m2 are *stored* as bfloat16 (``kStateDtype``) and computed with in fp32: a
+stored value enters the arithmetic exactly (bf16 -> fp32 is exact), and each updated average is rounded
+once, to nearest even, when it is stored (:func:`store_state`). A value that is not finite after that
+rounding (a NaN or infinity carried by this call's residual, or a finite fp32 beyond bf16's range) is
+stored as +0: a non-finite call poisons its own output, never the state that later calls read. Why bf16
+(numbers in docs/kernels.md, "Compensator state dtype"): the state is an estimate of a rounding error, so
+its own 2^-9 relative rounding is far below what it estimates (SmolLM2-135M at P = 4, 4-bit default, one
+run: all-reduce error 0.09022 against 0.09016 with an fp32 state, perplexity within the noise band), and
+bf16 has fp32's exponent range, so neither tiny gradients nor large activations leave it. With the update
+fused into the passes that hold the residual, a call reads the state once and writes it once: 8 bytes per
+element.
 
 ``"int8"`` and ``"int4"`` (:func:`encode_state`): m1 and m2 as b-bit signed integers q1, q2 in
 [-(2^(b-1) - 1), 2^(b-1) - 1] and one exponent E per group of the collective (the state's last axis, g

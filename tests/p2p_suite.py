@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from echo_ds import collective
 from echo_ds.compensator import make_compensator
-from echo_ds.config import DirectionConfig
+from echo_ds.config import STATE_DTYPES, DirectionConfig
 from echo_ds.emulate import emulated_echo_all_reduce
 from echo_ds.quant import QUANTIZERS, QuantSpec
 from echo_ds.reference import echo_all_reduce
@@ -275,15 +275,15 @@ def check_chunked(rank, P, device, cfg):
     return num
 
 
-def check_narrow_state(buf, rank, P, device, n=4097):
-    """Compensators that store their state as "int8" and "int4" on whatever path the buffer runs (the one
-    launch, the staged kernels, the torch stages): both residuals, pow2 never / always / "auto" beyond its
-    window, 4 and 8 bits, the three dtypes; outputs and every state tensor are the emulator's, call after
-    call."""
+def check_state_formats(buf, rank, P, device, n=4097):
+    """Compensators that store their state in each format, named ("int4", "int8", "bf16": the other checks
+    hold the default), on whatever path the buffer runs (the one launch, the staged kernels, the torch
+    stages): both residuals, pow2 never / always / "auto" beyond its window, 4 and 8 bits, the three dtypes;
+    outputs and every state tensor are the emulator's, call after call."""
     num = 0
     cases = [(4, "local", "auto", torch.bfloat16, 1e5), (8, "local", False, torch.float32, 1.0),
              (4, "output", True, torch.float16, 1e-4), (4, "local", False, torch.bfloat16, 1.0)]
-    for state_dtype in ("int4", "int8"):
+    for state_dtype in STATE_DTYPES:
         for i, (bits, residual, pow2, dtype, scale) in enumerate(cases):
             dcfg = DirectionConfig(state_dtype=state_dtype, residual=residual, gain=0.9)
             comp, comp_emul = make_compensator(dcfg), make_compensator(dcfg)
@@ -292,7 +292,7 @@ def check_narrow_state(buf, rank, P, device, n=4097):
             for call in range(3):
                 parts = parts_for(P, n + 61 * i, dtype, 6000 + 10 * i + call, device, scale)
                 x = parts[rank]
-                assert buf.would_use_p2p(x, spec, comp), "every path holds a narrow state"
+                assert buf.would_use_p2p(x, spec, comp), "every path holds every state format"
                 y = buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
                 expected = spec_on_device(parts, spec, comp_emul, pow2)
                 buf.synchronize()
@@ -472,9 +472,9 @@ def suite(rank, world_size, cfg):
     check_registered(buf, rank, P, device)
     log(rank, f"P={P}: echo_all_reduce on the group runs on its EchoBuffer (the registered backend of the "
               f"custom op), bit-identical to the emulator and to the reference")
-    n_narrow = check_narrow_state(buf, rank, P, device)
-    log(rank, f"P={P}: {n_narrow} calls with a narrow compensator state (int4, int8) on the p2p transport ({stages}): "
-              f"outputs and states bit-identical to the emulator's")
+    n_formats = check_state_formats(buf, rank, P, device)
+    log(rank, f"P={P}: {n_formats} calls with the compensator state in each format ({', '.join(STATE_DTYPES)}) on "
+              f"the p2p transport ({stages}): outputs and states bit-identical to the emulator's")
     if cuda and buf._runtime is not None and cfg.get("chunked", True):
         n_narrow = check_narrow_chunked_and_replayed(rank, P, device, cfg)
         log(rank, f"P={P}: {n_narrow} narrow-state calls chunk by chunk and replayed from a CUDA graph: outputs "

@@ -1,6 +1,7 @@
-"""The compensator's numerics contract (echo_ds/compensator.py): bf16 storage, fp32 arithmetic, one
-rounding when stored, non-finite values stored as zero; the narrow formats ("int8", "int4": integers with
-one power-of-two exponent per group, saturating); state_dict / load_state_dict; no autograd graph."""
+"""The compensator's numerics contract (echo_ds/compensator.py): fp32 arithmetic, one rounding when
+stored, non-finite values stored as zero; the "bf16" format (tests that read m1, m2 as bfloat16 ask for it
+by name: the default is "int4"); the narrow formats ("int8", "int4": integers with one power-of-two
+exponent per group, saturating); state_dict / load_state_dict; no autograd graph."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_store_state_rounds_to_nearest_even_and_zeroes_non_finite():
 
 
 def test_update_is_fp32_arithmetic_rounded_once():
-    comp = make(slow_decay=0.7, fast_decay=0.3)
+    comp = make(slow_decay=0.7, fast_decay=0.3, state_dtype="bf16")
     gen = torch.Generator().manual_seed(0)
     comp.correction((4096,), "cpu")  # allocates the zero state
     comp.m1.copy_(torch.randn(4096, generator=gen).to(kStateDtype))
@@ -51,7 +52,7 @@ def test_update_is_fp32_arithmetic_rounded_once():
         ulp = torch.finfo(torch.bfloat16).eps * exact.abs()
         assert bool(((m.double() - exact).abs() <= 0.5 * ulp + 1e-6 * exact.abs() + 1e-30).all())
     # ... and it is exactly what the kernels compute: store_state of the fp32 expression.
-    comp2 = make(slow_decay=0.7, fast_decay=0.3)
+    comp2 = make(slow_decay=0.7, fast_decay=0.3, state_dtype="bf16")
     comp2.correction((4096,), "cpu")
     comp2.m1.copy_(m1.to(kStateDtype)), comp2.m2.copy_(m2.to(kStateDtype))
     expected = store_state(comp2.m1.float() * comp2.slow_decay + u * comp2.one_minus_slow)
@@ -60,7 +61,7 @@ def test_update_is_fp32_arithmetic_rounded_once():
 
 
 def test_correction_reads_the_state_exactly():
-    comp = make(gain=0.8, blend=0.3)
+    comp = make(gain=0.8, blend=0.3, state_dtype="bf16")
     comp.correction((256,), "cpu")
     comp.m1.copy_(torch.linspace(-1, 1, 256).to(kStateDtype))
     comp.m2.copy_(torch.linspace(2, -2, 256).to(kStateDtype))
@@ -94,7 +95,7 @@ def test_a_non_finite_call_poisons_only_itself(residual, state_dtype):
 
 
 def test_state_memory_is_two_bytes_per_element_per_average():
-    op = CompensatedAllReduce(2, EchoConfig())
+    op = CompensatedAllReduce(2, EchoConfig(forward={"state_dtype": "bf16"}))
     op(torch.randn(2, 10_000))
     padded = A.Layout(10_000, 2, EchoConfig().group_size).padded_numel
     comp = op.compensator
@@ -107,29 +108,38 @@ def test_inputs_that_require_grad_leave_no_graph_in_the_state():
     for _ in range(3):
         parts = torch.randn(2, 1000, requires_grad=True)
         op(parts)
-        assert not op.compensator.m1.requires_grad and op.compensator.m1.grad_fn is None
-        assert not op.compensator.m2.requires_grad and op.compensator.m2.grad_fn is None
+        for name in op.compensator.state_names:
+            t = getattr(op.compensator, name)
+            assert not t.requires_grad and t.grad_fn is None, name
+        assert not any(v.requires_grad for v in op.compensator.values())
 
 
 def test_state_dict_is_a_copy_and_round_trips():
+    # The default format's tensors, each by name (state_names).
     op = CompensatedAllReduce(2, EchoConfig())
     op(torch.randn(2, 1000))
     comp = op.compensator
+    names = comp.state_names
+    held = (lambda c: [getattr(c, name) for name in names])
     sd = comp.state_dict()
-    assert sd["m1"].data_ptr() != comp.m1.data_ptr() and torch.equal(sd["m1"], comp.m1)
-    before = comp.m1.clone()
-    sd["m1"].fill_(7)
-    assert torch.equal(comp.m1, before), "state_dict must not hand out the live tensors"
+    assert set(sd) == set(names) | {"num_calls"}
+    for name, live in zip(names, held(comp)):
+        assert sd[name].data_ptr() != live.data_ptr() and torch.equal(sd[name], live), name
+    before = [t.clone() for t in held(comp)]
+    for name in names:
+        sd[name].fill_(7)
+    assert all(map(torch.equal, held(comp), before)), "state_dict must not hand out the live tensors"
     other = make()
     other.load_state_dict(comp.state_dict())
-    assert torch.equal(other.m1, comp.m1) and torch.equal(other.m2, comp.m2) and other.num_calls == comp.num_calls
+    assert all(map(torch.equal, held(other), held(comp))) and other.num_calls == comp.num_calls
     src = comp.state_dict()
     other.load_state_dict(src)
-    src["m2"].fill_(3)
-    assert torch.equal(other.m2, comp.m2), "load_state_dict must copy in"
+    for name in names:
+        src[name].fill_(3)
+    assert all(map(torch.equal, held(other), held(comp))), "load_state_dict must copy in"
     empty = make()
     empty.load_state_dict(make().state_dict())  # a fresh state (None, None, 0) round-trips too
-    assert empty.m1 is None and empty.num_calls == 0
+    assert all(t is None for t in held(empty)) and empty.num_calls == 0
 
 
 @pytest.mark.parametrize("change,match", [
@@ -142,12 +152,13 @@ def test_state_dict_is_a_copy_and_round_trips():
     (lambda sd: sd.update(num_calls=True), "num_calls=True"),
 ])
 def test_load_state_dict_refuses_bad_state(change, match):
-    op = CompensatedAllReduce(2, EchoConfig())
+    # The bf16 format's messages (the integer formats': the int8 and int4 tests below).
+    op = CompensatedAllReduce(2, EchoConfig(forward={"state_dtype": "bf16"}))
     op(torch.randn(2, 1000))
     sd = op.compensator.state_dict()
     change(sd)
     with pytest.raises(ValueError, match=match):
-        make().load_state_dict(sd)
+        make(state_dtype="bf16").load_state_dict(sd)
 
 
 def test_update_without_a_matching_state_raises():
@@ -386,7 +397,7 @@ def test_int4_state_dict_round_trips_and_is_validated():
         with pytest.raises(ValueError, match=match):
             make(state_dtype="int4").load_state_dict(bad)
     with pytest.raises(ValueError, match="unknown keys \\['exponent', 'q'\\]"):
-        make().load_state_dict(comp.state_dict())  # an int4 state into a bf16 compensator
+        make(state_dtype="bf16").load_state_dict(comp.state_dict())  # an int4 state into a bf16 compensator
     with pytest.raises(ValueError, match="missing keys \\['m1', 'm2'\\], unknown keys \\['q'\\]"):
         make(state_dtype="int8").load_state_dict(comp.state_dict())
 

@@ -110,9 +110,11 @@ def _cases(rank, world_size, shm_port):
     res["fake_meta"] = (tuple(fake.shape), str(fake.dtype), fake.stride(), fake.is_contiguous())
 
     # --- with a compensator (state updated in place), rotation, pow2 rescaling, a reset -----------------
+    # The default state format, every tensor by name (Compensator.state_names).
     rot = QuantSpec(rotation=True)
     cfg = DirectionConfig()
     ce, cc = Compensator(cfg), Compensator(cfg)
+    tensors = (lambda c: [getattr(c, name) for name in c.state_names])
     fc = torch.compile(lambda t: echo_all_reduce(t, rot, compensator=cc, pow2_rescale=True, direction="backward",
                                                  site=3), fullgraph=True)
     comp_equal, state_equal, in_place = [], [], []
@@ -121,23 +123,23 @@ def _cases(rank, world_size, shm_port):
             ce.reset()
             cc.reset()
         e = echo_all_reduce(x, rot, compensator=ce, pow2_rescale=True, direction="backward", site=3)
-        held = cc.m1
+        held = tensors(cc)
         g = fc(x)
         comp_equal.append(_equal(e, g))
-        state_equal.append(_equal(ce.m1, cc.m1) and _equal(ce.m2, cc.m2) and ce.num_calls == cc.num_calls)
-        in_place.append(held is None or cc.m1 is held)
+        state_equal.append(all(map(_equal, tensors(ce), tensors(cc))) and ce.num_calls == cc.num_calls)
+        in_place.append(all(h is None or t is h for h, t in zip(held, tensors(cc))))
     res.update(comp_equal=comp_equal, state_equal=state_equal, in_place=in_place, num_calls=cc.num_calls,
-               state_moved=bool(cc.m1.float().abs().sum() > 0))
+               state_moved=any(bool(v.abs().sum() > 0) for v in cc.values()))
 
-    # The "int4" state: packed codes (q, uint8) and per-group exponents, two tensors updated in place.
-    ce, cc = Compensator(DirectionConfig(state_dtype="int4")), Compensator(DirectionConfig(state_dtype="int4"))
+    # The "bf16" state (selectable): m1 and m2 as bfloat16, two tensors updated in place.
+    ce, cc = Compensator(DirectionConfig(state_dtype="bf16")), Compensator(DirectionConfig(state_dtype="bf16"))
     fc = torch.compile(lambda t: echo_all_reduce(t, spec, compensator=cc), fullgraph=True)
-    narrow = []
+    bf16 = []
     for x in xs[:2]:
         e, g = echo_all_reduce(x, spec, compensator=ce), fc(x)
-        narrow.append(_equal(e, g) and all(_equal(getattr(ce, a), getattr(cc, a)) for a in ce.state_names))
-    res["narrow_equal"] = narrow
-    res["narrow_state"] = {a: str(getattr(cc, a).dtype) for a in cc.state_names}
+        bf16.append(_equal(e, g) and all(map(_equal, tensors(ce), tensors(cc))))
+    res["bf16_equal"] = bf16
+    res["bf16_state"] = {a: str(getattr(cc, a).dtype) for a in cc.state_names}
     res.update(_int4_through_the_op(xs, spec))
 
     # --- a backend registered for the group: eager calls and the graph compiled above take it, except
@@ -207,14 +209,14 @@ def test_fake_implementation_matches_the_op(results):
 
 
 def test_compensated_compiles_matches_eager_and_updates_the_state_in_place(results):
-    # bf16 state (with rotation, pow2 rescaling and a reset), then the "int4" state with its exponents
+    # the default state (with rotation, pow2 rescaling and a reset), then the "bf16" state by name
     for r in results:
         assert r["comp_equal"] == [True] * 3
         assert r["state_equal"] == [True] * 3
         assert r["in_place"] == [True] * 3
         assert r["num_calls"] == 1 and r["state_moved"]  # one call since the reset, and it fed back
-        assert r["narrow_equal"] == [True, True]
-        assert r["narrow_state"] == {"q": "torch.uint8", "exponent": "torch.int8"}
+        assert r["bf16_equal"] == [True, True]
+        assert r["bf16_state"] == {"m1": "torch.bfloat16", "m2": "torch.bfloat16"}
 
 
 def test_int4_state_through_the_custom_op_is_the_reference_bit_for_bit(results):

@@ -19,8 +19,9 @@ def test_defaults_are_the_documented_schema():
     assert EchoConfig(backward={"blend": 0.4}).backward.gain == 0.75
     assert cfg.backward.pow2_rescale is True and cfg.forward.pow2_rescale == "auto"
     assert (cfg.early_sites.bits, cfg.early_sites.fraction) == (8, 0.0)
-    # The compensator state stays bf16 until the kernels reproduce the narrow formats (issue 34).
-    assert cfg.forward.state_dtype == cfg.backward.state_dtype == "bf16"
+    # The compensator state is stored as int4 in both directions (issue 34); bf16 stays selectable.
+    assert cfg.forward.state_dtype == cfg.backward.state_dtype == "int4"
+    assert EchoConfig(forward={"state_dtype": "bf16"}).forward.state_dtype == "bf16"
 
 
 @pytest.mark.parametrize("section, key, value, allowed", [
@@ -253,6 +254,6 @@ def test_state_dtype_per_direction_reaches_the_compensator(state_dtype):
     from echo_ds.compensator import make_compensator
 
     cfg = EchoConfig.from_ds_config({"echo": {"forward": {"state_dtype": state_dtype}}})
-    assert cfg.forward.state_dtype == state_dtype and cfg.backward.state_dtype == "bf16"
+    assert cfg.forward.state_dtype == state_dtype and cfg.backward.state_dtype == "int4"  # the default
     assert make_compensator(cfg.forward).state_dtype == state_dtype
-    assert make_compensator(cfg.backward).state_dtype == "bf16"
+    assert make_compensator(cfg.backward).state_dtype == "int4"

@@ -152,10 +152,14 @@ def packets_holding(ops, layout, spec, segments):
 
 
 def make_comp(residual="output", gain=0.75, blend=0.35, slow=0.7, fast=0.3):
+    """A "bf16" compensator, named (the default is "int4"): these tests hand the kernels bf16 m1, m2
+    (random_state), and set and read the compensator's own m1, m2 as bf16; the other formats are
+    tests/test_state_narrow_kernels.py's and tests/p2p_suite.py's."""
     from echo_ds.compensator import Compensator
     from echo_ds.config import DirectionConfig
 
-    return Compensator(DirectionConfig(gain=gain, blend=blend, slow_decay=slow, fast_decay=fast, residual=residual))
+    return Compensator(DirectionConfig(gain=gain, blend=blend, slow_decay=slow, fast_decay=fast, residual=residual,
+                                       state_dtype="bf16"))
 
 
 def random_state(layout, gen, scale=1e-2):

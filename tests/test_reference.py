@@ -28,18 +28,20 @@ def cases():
         ("fp16-tiny", QuantSpec(4, 16), None, False, torch.float16, (3,)),
         ("rot", QuantSpec(4, 64, rotation=True), None, False, torch.float32, (2, 300)),
         ("comp-output", QuantSpec(4, 64), DirectionConfig(residual="output"), False, torch.bfloat16, (4, 100)),
-        ("comp-local", QuantSpec(4, 64), DirectionConfig(residual="local"), False, torch.float32, (4, 100)),
+        ("comp-local-bf16", QuantSpec(4, 64), DirectionConfig(residual="local", state_dtype="bf16"), False,
+         torch.float32, (4, 100)),
         ("comp-local-rot-pow2", QuantSpec(4, 32, rotation=True), DirectionConfig(residual="local"), True,
          torch.float32, (6, 50)),
-        ("comp-output-rot-pow2-8", QuantSpec(8, 64, "symmetric", True), DirectionConfig(gain=1.0, residual="output"), True,
-         torch.bfloat16, (7, 33)),
+        ("comp-output-rot-pow2-8-bf16", QuantSpec(8, 64, "symmetric", True),
+         DirectionConfig(gain=1.0, residual="output", state_dtype="bf16"), True, torch.bfloat16, (7, 33)),
         # "auto" rescaling: inside the window (no rescale), beyond it and below it (rescaled)
         ("auto-in-window", QuantSpec(4, 64, rotation=True), DirectionConfig(residual="local"), "auto",
          torch.bfloat16, (5, 40)),
         ("auto-huge", QuantSpec(4, 64, rotation=True), DirectionConfig(residual="local"), "auto", torch.float32,
          (3, 100)),
         ("auto-tiny-8", QuantSpec(8, 128), None, "auto", torch.float32, (2, 150)),
-        # the narrow compensator states (echo_ds.compensator, "Storage")
+        # the compensator states by name (echo_ds.compensator, "Storage"; the cases above without one hold
+        # the default, "int4")
         ("comp-local-int4", QuantSpec(4, 64, rotation=True), DirectionConfig(residual="local", state_dtype="int4"),
          "auto", torch.float32, (4, 100)),
         ("comp-output-int8-pow2", QuantSpec(4, 32, rotation=True),
@@ -178,7 +180,7 @@ def test_pow2_keeps_the_compensator_in_gradient_units():
     op = CompensatedAllReduce(4, cfg, "backward")
     parts = torch.randn(4, 512) * 1e-7
     op(parts)
-    m1 = op.compensator.m1
+    m1 = op.compensator.values()[0]
     # Each rank's state is one rounding error in the original units (~1e-8), not in scaled units.
     assert 0 < m1.abs().max() < 1e-6
 
@@ -210,6 +212,9 @@ def mu_w(d):
     return d.blend * d.slow_decay / (1 - d.slow_decay) + (1 - d.blend) * d.fast_decay / (1 - d.fast_decay)
 
 
+# The formats named, never the default: Theorem 1 assumes a state held at full precision, which bf16 is
+# close enough to for the bound to hold, and int8 too; the default "int4" breaks it on identical calls
+# (test_theorem1_with_the_int4_state).
 @pytest.mark.parametrize("state_dtype", ("bf16", "int8"))
 @pytest.mark.parametrize("kind", ("constant", "random"))
 def test_theorem1_partial_sums_stay_bounded(kind, state_dtype):
@@ -270,14 +275,20 @@ def test_output_residual_state_grows_on_identical_calls_local_does_not(state_dty
     assert m_out > 20 * m_local
 
 
-def test_compensation_reduces_the_accumulated_error_of_a_residual_stream():
+# The paper's method with the bf16 state: its "output" residual keeps each rank's deviation from the mean
+# contribution in the state, far larger than the error estimated, and the "int4" state's rounding of it (up
+# to 1/8 of the group's largest value) outweighs that error: on these calls the accumulated error then
+# ends above no compensation's. The default direction ("local" residual, "int4" state) as it is.
+@pytest.mark.parametrize("forward", ({"residual": "output", "gain": 0.75, "state_dtype": "bf16"}, {}),
+                         ids=("paper-bf16", "defaults"))
+def test_compensation_reduces_the_accumulated_error_of_a_residual_stream(forward):
     # A pre-norm residual stream adds every site's output: the accumulated deviation is the partial sum.
     P, N = 4, 56
     gen = torch.Generator().manual_seed(5)
     draws = [torch.randn(P, 4096, generator=gen) + 0.5 for _ in range(N)]
     dev = {}
-    paper = EchoConfig(rotation="none", forward={"residual": "output", "gain": 0.75})
-    for name, cfg in (("none", EchoConfig(rotation="none", forward={"compensate": False})), ("echo", paper)):
+    echo = EchoConfig(rotation="none", forward=forward)
+    for name, cfg in (("none", EchoConfig(rotation="none", forward={"compensate": False})), ("echo", echo)):
         op = CompensatedAllReduce(P, cfg)
         z = torch.zeros(4096)
         for parts in draws:
@@ -288,13 +299,16 @@ def test_compensation_reduces_the_accumulated_error_of_a_residual_stream():
 
 def test_reset_and_resize():
     op = CompensatedAllReduce(2, EchoConfig())
+    comp = op.compensator
+    held = (lambda: [getattr(comp, name) for name in comp.state_names])
     op(torch.randn(2, 300))
-    assert op.compensator.m1 is not None and op.compensator.num_calls == 1
+    assert all(t is not None for t in held()) and comp.num_calls == 1
     op.reset()
-    assert op.compensator.m1 is None and op.compensator.num_calls == 0
+    assert all(t is None for t in held()) and comp.num_calls == 0
     op(torch.randn(2, 300))
     op(torch.randn(2, 5000))  # a different message size restarts the state at the new size
-    assert op.compensator.num_resizes == 1 and op.compensator.m1.numel() == 2 * A.Layout(5000, 2, EchoConfig().group_size).padded_numel
+    padded = A.Layout(5000, 2, EchoConfig().group_size).padded_numel
+    assert comp.num_resizes == 1 and all(m.numel() == 2 * padded for m in comp.values())
 
 
 def test_telemetry_records_the_revealed_error():

@@ -2,7 +2,7 @@
 state_values, update_state) against the reference (echo_ds.compensator: Compensator.values, update with
 encode_state, pack_int4 and store_state), bit for bit, for every stored format ("bf16", "int8", "int4").
 
-The one-launch kernel uses these functions (tests/p2p_suite.check_narrow_state checks its outputs and
+The one-launch kernel uses these functions (tests/p2p_suite.check_state_formats checks its outputs and
 states against the emulator); this test isolates them in a small kernel of its own: one update of a
 random state from a random residual, for every group size the kernels take. Without nvcc the compile
 test skips; without a GPU the bitwise test skips (run it on a GPU node:

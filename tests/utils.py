@@ -129,3 +129,24 @@ class RecordingLog:
 
     def __getattr__(self, level):
         return lambda msg: self.records.append((level, msg))
+
+
+def state_tensors(comp) -> dict:
+    """A copy of every tensor of ``comp``'s stored state, by name (Compensator.state_names: whichever
+    format the config chose), None where it holds none yet."""
+    return {name: None if getattr(comp, name) is None else getattr(comp, name).clone() for name in comp.state_names}
+
+
+def same_states(a, b) -> bool:
+    """``a`` and ``b`` (Compensators, or :func:`state_tensors` of them) hold the same stored state: the same
+    tensor names, each equal bit for bit."""
+    import torch
+
+    a, b = (s if isinstance(s, dict) else state_tensors(s) for s in (a, b))
+    same = (lambda x, y: x is None and y is None or x is not None and y is not None and torch.equal(x, y))
+    return a.keys() == b.keys() and all(same(a[name], b[name]) for name in a)
+
+
+def state_moved(comp) -> bool:
+    """Some decoded value of ``comp``'s state (m1 or m2) is not zero: a comparison of states is not of zeros."""
+    return any(bool(v.abs().sum() > 0) for v in comp.values())
