@@ -20,6 +20,8 @@ Rows (bf16 messages of the given size per rank):
 * ``p2p-4+unfused``: the compensator as separate PyTorch operations around the uncompensated call;
 * ``p2p-4+fused``: the compensator fused into the entry pass, its update beside the next matrix
   product; reported as the critical-path time (matmul + all-reduce + matmul minus matmul + matmul);
+  both compensated rows store the state as "bf16" (the unfused one holds it as one flat tensor, not in
+  the collective's groups by which the integer formats scale it);
 * ``p2p-4+rot``: with the Hadamard rotation.
 
 The p2p rows need the CUDA kernels and peer access; where the backend is unavailable they are left out
@@ -155,9 +157,9 @@ def main(argv=None):
             return (lambda x: buffer.all_reduce(x, spec)), spec
         if row == "p2p-4+unfused":
             return unfused_compensated(lambda x: buffer.all_reduce(x, spec),
-                                       DirectionConfig(residual="output")), None
+                                       DirectionConfig(residual="output", state_dtype="bf16")), None
         if row == "p2p-4+fused":
-            comp = make_compensator(DirectionConfig(residual="output"))
+            comp = make_compensator(DirectionConfig(residual="output", state_dtype="bf16"))
             return (lambda x: buffer.all_reduce(x, spec, compensator=comp)), None
         raise ValueError(f"unknown row {row!r}")
 

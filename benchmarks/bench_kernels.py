@@ -208,7 +208,7 @@ def main():
 
     spec = QuantSpec(bits=4, group_size=G_SIZE, quantizer="zero_aware")
     spec_rot = QuantSpec(bits=4, group_size=G_SIZE, quantizer="zero_aware", rotation=True)
-    comp = Compensator(DirectionConfig())
+    comp = Compensator(DirectionConfig(state_dtype="bf16"))  # the format of stage_buffers' m1, m2
     coeffs = E.CompensatorCoefficients.of(comp)
 
     for size in sizes:
@@ -305,7 +305,7 @@ def main():
                                                       coeffs=coeffs), P * cb + 2 * n + 2 * n + 8 * padded)
 
         # The unfused compensator as PyTorch ops: apply (c, x' = x + c) before the all-reduce, update after.
-        tc = Compensator(DirectionConfig())
+        tc = Compensator(DirectionConfig(state_dtype="bf16"))  # holds the stage buffers' bf16 m1, m2
         tc.m1, tc.m2 = m1.clone(), m2.clone()
         xf = x.float()
         yf = y.float()

@@ -608,9 +608,13 @@ def print_sweep(P, res, report, cfg):
               f"largest message); EchoBuffer's own torch allocations: {b['torch_bytes']} B")
     rows_mem = [r for r in res["rows"] if "memory" in r]
     if rows_mem:
+        from echo_ds import compensator as C
+
+        state_dtype = cfg.get("state_dtype", "bf16")  # reports from before --state-dtype ran bf16
+        state_per_element = C.state_bytes_per_element(state_dtype, cfg["group_size"])
         print(f"\nMemory per call, P = {P} (torch.cuda.memory_allocated around the first call at each size; "
               f"y = the result, held = what the call leaves allocated besides y, peak = its high-water mark above "
-              f"y; state = the compensator's m1 and m2)")
+              f"y; state = the compensator's stored state, {state_dtype})")
         print("| size | stages | bits | y | held | peak above y | compensated: held | compensated: peak above y | "
               "state | model: state | model: staged buffers |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -624,7 +628,7 @@ def print_sweep(P, res, report, cfg):
             print(f"| {_fmt_bytes(r['bytes'])} | {r['path']} | {bits} | {_gib(m['y_bytes'])} | "
                   f"{_gib(m['held_bytes'])} | {_gib(m['peak_extra_bytes'])} | {_gib(c.get('held_bytes'))} | "
                   f"{_gib(c.get('peak_extra_bytes'))} | {_gib(m.get('state_bytes'))} | "
-                  f"{_gib(BM.state_bytes(n, P, cfg['group_size']))} | {_gib(staged)} |")
+                  f"{_gib(BM.state_bytes(n, P, cfg['group_size'], state_per_element))} | {_gib(staged)} |")
 
     names = list(dict.fromkeys(s for s, _ in groups))
     if len(names) > 1 and cfg["graph_reps"]:

@@ -41,7 +41,7 @@ def main():
     n = parse_bytes(args.bytes) // 2
     spec = QuantSpec(bits=4, group_size=G_SIZE, quantizer="zero_aware")
     spec_rot = QuantSpec(bits=4, group_size=G_SIZE, quantizer="zero_aware", rotation=True)
-    coeffs = E.CompensatorCoefficients.of(Compensator(DirectionConfig()))
+    coeffs = E.CompensatorCoefficients.of(Compensator(DirectionConfig(state_dtype="bf16")))  # stage_buffers' m1, m2
     b = stage_buffers(n, spec, dev)
     layout, x, m1, m2, send, gathered = b.layout, b.x, b.m1, b.m2, b.send, b.gathered
     y, out_tab, gat_tab = b.y, b.out_tab, b.gat_tab

@@ -1,11 +1,13 @@
 """What storing the compensator's state in fewer bytes costs in accuracy (the choice of the state format).
 
-The compensator keeps two moving averages (m1, m2) per rank; the library stores them as bf16 and computes
-in fp32 (echo_ds/compensator.py, "Storage"). This study compares that with the arithmetic in fp32 and what
-is *stored* rounded through other formats after every update (or, for ``corr_bf16``, only a precomputed
-correction):
+The compensator keeps two moving averages (m1, m2) per rank; under ``state_dtype`` "bf16" the library
+stores them as bf16 and computes in fp32 (echo_ds/compensator.py, "Storage"). This study compares that
+with the arithmetic in fp32 and what is *stored* rounded through other formats after every update (or, for
+``corr_bf16``, only a precomputed correction). Every variant runs its configs with ``state_dtype`` "bf16"
+in both directions (the library's default is "int4": benchmarks/state_narrow_study.py compares the
+formats the library holds):
 
-    shipped        the library's own Compensator (bf16 m1, m2; non-finite stored as +0)
+    shipped        the library's own Compensator with state_dtype "bf16" (bf16 m1, m2; non-finite stored as +0)
     fp32           no rounding at all (the format before the bf16 storage)
     bf16, fp16     m1, m2 rounded to nearest even after each update (2 bytes/element each)
     int8           m1, m2 as 8-bit symmetric codes per group through the collective's own quantizer (fp16
@@ -140,6 +142,9 @@ def main() -> int:
             base, _ = PPL.load_echo_config(path)
             for storage in storages:
                 cfg = base.model_copy(deep=True)
+                # "shipped" is the library's bf16 state, and the other variants hold m1, m2, which
+                # Compensator.reset clears by the names of "bf16" (state_names)
+                cfg.forward.state_dtype = cfg.backward.state_dtype = "bf16"
                 tp.storage_of[id(cfg)] = storage
                 name = f"{Path(path).stem}[{storage}]"
                 variants.append(PPL.Variant(name, cfg, path, f"state stored as {storage}"))
