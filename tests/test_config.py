@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from echo_ds.config import EchoConfig, EchoConfigError
+from echo_ds.config import DirectionConfig, EchoConfig, EchoConfigError
 
 
 def test_defaults_are_the_documented_schema():
@@ -247,6 +247,23 @@ def test_runtime_refuses_a_config_that_is_not_one():
         echo.EchoRuntime({"bits": 4}, None, "cpu")
     with pytest.raises(ValueError, match="EchoRuntime: log_interval=-5 must be >= 0"):
         echo.EchoRuntime(EchoConfig(), None, "cpu", log_interval=-5)
+
+
+def test_the_default_state_dtype_follows_the_residual(log):
+    # "local" (the default residual): int4; "output": bf16, whose state holds each rank's deviation from the
+    # mean, which 4 bits round coarsely. An explicit choice is kept; int4 with "output" is warned about once.
+    assert DirectionConfig().state_dtype == "int4"
+    assert DirectionConfig(residual="output").state_dtype == "bf16"
+    cfg = EchoConfig.from_ds_config({"echo": {"forward": {"residual": "output"}}})
+    assert (cfg.forward.state_dtype, cfg.backward.state_dtype) == ("bf16", "int4")
+    assert DirectionConfig(residual="output", state_dtype="int8").state_dtype == "int8"
+    assert not log.records
+    for _ in range(2):
+        assert DirectionConfig(residual="output", state_dtype="int4").state_dtype == "int4"
+    assert [lvl for lvl, _ in log.records] == ["warning"]
+    assert 'state_dtype="int4" with residual "output"' in log.records[0][1]
+    DirectionConfig(residual="output", state_dtype="int4", compensate=False)  # no state: nothing to say
+    assert len(log.records) == 1
 
 
 @pytest.mark.parametrize("state_dtype", ("bf16", "int8", "int4"))
