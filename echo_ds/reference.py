@@ -8,11 +8,12 @@ every rank the same values. Every element is quantized at most twice, for any P.
 
 Call agreement. Before any data is combined, the ranks agree on a call descriptor: one all_gather of
 ``kDescriptorLen`` int64 per rank (:data:`DESCRIPTOR_FIELDS`: element count, dtype, bits, group size,
-quantizer, rotation, pow2 rescaling, compensator and its residual, telemetry, the caller's direction and
-site, and the call number). Every rank sees every descriptor, so a disagreement raises
-:class:`EchoCallMismatch` on every rank, naming each field that differs and each rank's value, and no data
-has moved: the group stays usable. The call number counts this rank's Echo calls on the group (1 for the
-first; :func:`call_count`); it is kept per process group, so calls on different groups do not interfere.
+quantizer, rotation, pow2 rescaling, compensator and its residual, the compensator's state format,
+telemetry, the caller's direction and site, and the call number). Every rank sees every descriptor, so a
+disagreement raises :class:`EchoCallMismatch` on every rank, naming each field that differs and each rank's
+value, and no data has moved: the group stays usable. The call number counts this rank's Echo calls on the
+group (1 for the first; :func:`call_count`); it is kept per process group, so calls on different groups do
+not interfere.
 With pow2 rescaling the descriptor also carries the rank's largest magnitude and replaces the scalar max
 all-reduce, so such calls make no extra collective (and a NaN on any rank now gives k = 0 on every rank,
 as in the emulator: gloo's MAX dropped a NaN that met a number from a lower rank).
@@ -45,6 +46,7 @@ from echo_ds import algorithm as A
 from echo_ds import collective
 from echo_ds import quant as Q
 from echo_ds.compensator import Compensator
+from echo_ds.config import STATE_DTYPES
 from echo_ds.p2p import protocol as _p2p_protocol
 from echo_ds.quant import QUANTIZERS, QuantSpec
 
@@ -60,12 +62,13 @@ kTimeoutEnv = "ECHO_P2P_TIMEOUT_S"
 STAGES = ("descriptor", "all-to-all", "all-gather", "telemetry")
 DIRECTIONS = ("forward", "backward", "eval")  # "eval": a forward that no backward follows
 
-# The descriptor: one int64 per field, in this order, all compared; "magic" marks it as Echo's (version 1).
-# One more int64 follows, not compared: the fp32 bits of the rank's largest magnitude (pow2 rescaling).
+# The descriptor: one int64 per field, in this order, all compared; "magic" marks it as Echo's (version 2:
+# version 1 had no state_dtype). One more int64 follows, not compared: the fp32 bits of the rank's largest
+# magnitude (pow2 rescaling).
 DESCRIPTOR_FIELDS = ("magic", "numel", "dtype", "bits", "group_size", "quantizer", "rotation", "pow2_rescale",
-                     "compensator", "telemetry", "direction", "site", "call")
+                     "compensator", "state_dtype", "telemetry", "direction", "site", "call")
 kDescriptorLen = len(DESCRIPTOR_FIELDS) + 1
-kDescriptorMagic = 0x4543484F_0001  # "ECHO", version 1
+kDescriptorMagic = 0x4543484F_0002  # "ECHO", version 2
 _kUnset = -1
 _DTYPES = tuple(d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                             getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
@@ -193,12 +196,15 @@ class _Call:
 def _descriptor(x: torch.Tensor, spec: QuantSpec, compensator: Optional[Compensator], pow2_rescale,
                 direction: Optional[str], site: Optional[int], call: int) -> List[int]:
     if compensator is None:
-        comp = 0
+        comp, state = 0, _kUnset
     else:
         comp = 1 + _RESIDUALS.index(compensator.residual) if compensator.residual in _RESIDUALS else 99
+        # The stored format changes the numbers a call returns (the correction reads the stored state), so
+        # ranks of one group must hold the same one, as the p2p descriptor's state_dtype field requires.
+        state = STATE_DTYPES.index(compensator.state_dtype) if compensator.state_dtype in STATE_DTYPES else 99
     return [kDescriptorMagic, x.numel(), _DTYPES.index(x.dtype) if x.dtype in _DTYPES else 99, spec.bits,
             spec.group_size, QUANTIZERS.index(spec.quantizer), int(spec.rotation), A.pow2_code(pow2_rescale), comp,
-            int(compensator is not None and bool(compensator.telemetry)),
+            state, int(compensator is not None and bool(compensator.telemetry)),
             _kUnset if direction is None else DIRECTIONS.index(direction), _kUnset if site is None else site, call]
 
 
@@ -217,6 +223,8 @@ def _show(field: str, v: int) -> str:
         return pick([str(m) for m in A.POW2_MODES], v)
     if field == "compensator":
         return "none" if v == 0 else f"residual={pick(_RESIDUALS, v - 1)}"
+    if field == "state_dtype":
+        return "none" if v == _kUnset else pick(STATE_DTYPES, v)
     if field == "direction":
         return "unset" if v == _kUnset else pick(DIRECTIONS, v)
     if field == "site":

@@ -1,6 +1,13 @@
 """Misuse and faults on the reference path: ranks that disagree on a call raise EchoCallMismatch on every
 rank (naming the field and each rank's value) before any data moves; a peer that dies or stalls fails the
-call within Echo's own bound (EchoPeerError / EchoTimeout naming rank, peer, stage and call)."""
+call within Echo's own bound (EchoPeerError / EchoTimeout naming rank, peer, stage and call).
+
+Every case runs on two paths (``PATHS``): "eager", echo_all_reduce as called (its body is the custom op
+torch.ops.echo_ds.all_reduce / all_reduce_compensated, echo_ds.collective), and "compiled", the same call
+compiled with torch.compile(fullgraph=True), where the op is one node of an inductor graph. The
+compensated cases hold their state in each stored format (state_dtype "bf16", "int8", "int4"). Misuse of
+the paths that no call of echo_all_reduce reaches (the raw ops, the DeepSpeed mode's site op, the p2p
+backends) is in tests/test_misuse_paths.py."""
 
 import time
 
@@ -13,41 +20,79 @@ from echo_ds.emulate import emulated_echo_all_reduce
 from echo_ds.quant import QuantSpec
 from utils import run_distributed, run_with_dying_rank
 
-kBase = dict(numel=1000, dtype=torch.float32, spec=QuantSpec(4, 64), pow2=False, comp=None, site=3,
+kBase = dict(numel=1000, dtype=torch.float32, spec=QuantSpec(4, 64), pow2=False, comp=None, state="bf16", site=3,
              direction="forward")
+PATHS = ("eager", "compiled")
 
-# (field, what rank 0 passes, what rank 1 passes, rank 0's value, rank 1's value) as the message prints them.
+
+def case(field, a0, a1, v0, v1, **also):
+    """(field, what rank 0 passes, what rank 1 passes, rank 0's value, rank 1's value as the message prints
+    them, {another field that differs with it: [rank 0's, rank 1's]})."""
+    return (field, a0, a1, v0, v1, also)
+
+
 MISMATCHES = [
-    ("numel", {}, dict(numel=1020), "1000", "1020"),  # the same padded length (1024) at g = 64, P = 2
-    ("dtype", {}, dict(dtype=torch.bfloat16), "float32", "bfloat16"),
-    ("bits", {}, dict(spec=QuantSpec(8, 64)), "4", "8"),
-    ("group_size", {}, dict(spec=QuantSpec(4, 128)), "64", "128"),
-    ("quantizer", {}, dict(spec=QuantSpec(4, 64, "symmetric")), "zero_aware", "symmetric"),
-    ("rotation", {}, dict(spec=QuantSpec(4, 64, rotation=True)), "False", "True"),
-    ("pow2_rescale", dict(pow2=True), {}, "True", "False"),
-    ("compensator", dict(comp="output"), {}, "residual=output", "none"),
-    ("compensator", dict(comp="local"), dict(comp="output"), "residual=local", "residual=output"),
-    ("site", {}, dict(site=4), "3", "4"),
-    ("direction", {}, dict(direction="backward"), "forward", "backward"),
-    ("direction", {}, dict(direction=None), "forward", "unset"),
-    ("call", {}, dict(skip_call=True), "CALL", "CALL+1"),
+    case("numel", {}, dict(numel=1020), "1000", "1020"),  # the same padded length (1024) at g = 64, P = 2
+    case("dtype", {}, dict(dtype=torch.bfloat16), "float32", "bfloat16"),
+    case("bits", {}, dict(spec=QuantSpec(8, 64)), "4", "8"),
+    case("group_size", {}, dict(spec=QuantSpec(4, 128)), "64", "128"),
+    case("quantizer", {}, dict(spec=QuantSpec(4, 64, "symmetric")), "zero_aware", "symmetric"),
+    case("rotation", {}, dict(spec=QuantSpec(4, 64, rotation=True)), "False", "True"),
+    case("pow2_rescale", dict(pow2=True), {}, "True", "False"),
+    case("compensator", dict(comp="output"), {}, "residual=output", "none", state_dtype=["bf16", "none"]),
+    case("compensator", dict(comp="local", state="int4"), dict(comp="output", state="int4"), "residual=local",
+         "residual=output"),
+    # The stored format: the correction reads the stored state, so ranks must hold the same one.
+    case("state_dtype", dict(comp="local", state="int4"), dict(comp="local", state="bf16"), "int4", "bf16"),
+    case("state_dtype", dict(comp="output", state="int8"), dict(comp="output", state="int4"), "int8", "int4"),
+    case("site", {}, dict(site=4), "3", "4"),
+    case("direction", {}, dict(direction="backward"), "forward", "backward"),
+    case("direction", {}, dict(direction=None), "forward", "unset"),
+    case("call", {}, dict(skip_call=True), "CALL", "CALL+1"),
 ]
 CASE_IDS = [f"{m[0]}-{m[3]}-{m[4]}" for m in MISMATCHES]
 
 
-def _call(rank, args, gen):
+def _untouched(comp) -> bool:
+    """No call has updated ``comp``: no call counted, its state unallocated or as allocated (zero codes)."""
+    if comp is None:
+        return True
+    held = [getattr(comp, a) for a in comp.state_names]
+    return comp.num_calls == 0 and (all(t is None for t in held) or not any(v.any() for v in comp.values()))
+
+
+def compile_counted(fn):
+    """``fn`` compiled with fullgraph=True by inductor, and the names of the Echo ops in the graphs it traced
+    (a call that did not run as one compiled graph would leave them out)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    echo_ops = lambda: [str(n.target) for g in counter.graphs for n in g.graph.nodes if "echo_ds" in str(n.target)]
+    return torch.compile(fn, backend=counter, fullgraph=True), echo_ops
+
+
+def _call(rank, args, gen, path):
     from echo_ds import reference as R
 
     if args.get("skip_call"):  # this rank believes it made one more call on the group than its peer
         R._call_counts[R._group_key(None)] += 1
     x = torch.randn(args["numel"], generator=gen).to(args["dtype"])
-    comp = None if args["comp"] is None else make_compensator(DirectionConfig(residual=args["comp"]))
+    comp = None if args["comp"] is None else make_compensator(
+        DirectionConfig(residual=args["comp"], state_dtype=args["state"]))
+
+    def call(t):
+        return R.echo_all_reduce(t, args["spec"], compensator=comp, pow2_rescale=args["pow2"], site=args["site"],
+                                 direction=args["direction"], timeout_s=30)
+
+    traced = lambda: []
+    if path == "compiled":
+        torch._dynamo.reset()  # every case compiles its own graph (no recompile limit reached)
+        call, traced = compile_counted(call)
     try:
-        R.echo_all_reduce(x, args["spec"], compensator=comp, pow2_rescale=args["pow2"], site=args["site"],
-                          direction=args["direction"], timeout_s=30)
-        return ("returned", "", None)
+        call(x)
+        return ("returned", "", None, traced(), _untouched(comp))
     except R.EchoCallMismatch as e:
-        return (type(e).__name__, str(e), e.fields)
+        return (type(e).__name__, str(e), e.fields, traced(), _untouched(comp))
     finally:
         if args.get("skip_call"):
             R._call_counts[R._group_key(None)] -= 1  # back in step for the next case
@@ -57,11 +102,13 @@ def mismatch_body(rank, world_size):
     from echo_ds import reference as R
 
     gen = torch.Generator().manual_seed(rank)
-    out = []
-    for _field, a0, a1, _v0, _v1 in MISMATCHES:
-        args = dict(kBase, **(a0 if rank == 0 else a1))
-        before = R.call_count()
-        out.append(_call(rank, args, gen) + (before + 1,))
+    out = {}
+    for path in PATHS:
+        out[path] = []
+        for _field, a0, a1, _v0, _v1, _also in MISMATCHES:
+            args = dict(kBase, **(a0 if rank == 0 else a1))
+            before = R.call_count()
+            out[path].append(_call(rank, args, gen, path) + (before + 1,))
     # The group is still usable, the call numbers in step: a matching call works and agrees.
     x = torch.full((1000,), float(rank + 1))
     y = R.echo_all_reduce(x, QuantSpec(4, 64), site=3, direction="forward")
@@ -82,17 +129,21 @@ def mismatch_results():
     return run_distributed(mismatch_body, 2, timeout=120)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", range(len(MISMATCHES)), ids=CASE_IDS)
-def test_mismatch_raises_on_every_rank_naming_field_and_values(mismatch_results, case):
-    field, _a0, _a1, v0, v1 = MISMATCHES[case]
-    results = [mismatch_results[r][0][case] for r in range(2)]
-    call = results[0][3]
+def test_mismatch_raises_on_every_rank_naming_field_and_values(mismatch_results, case, path):
+    field, _a0, _a1, v0, v1, also = MISMATCHES[case]
+    results = [mismatch_results[r][0][path][case] for r in range(2)]
+    call = results[0][5]
     if field == "call":
         v0, v1 = str(call), str(call + 1)
-    for rank, (kind, message, fields, _call_number) in enumerate(results):
+    for rank, (kind, message, fields, traced, untouched, _call_number) in enumerate(results):
         assert kind == "EchoCallMismatch", f"rank {rank} did not raise: {kind}"
         assert f"ranks disagree on {field}: rank 0: {v0}, rank 1: {v1}" in message, message
-        assert fields == {field: [v0, v1]}, fields
+        assert fields == {field: [v0, v1], **also}, fields
+        assert untouched, f"rank {rank}: the refused call updated the compensator"
+        if path == "compiled":  # the call ran as one graph holding the op
+            assert len(traced) == 1 and traced[0].startswith("echo_ds.all_reduce"), traced
     assert results[0][1] == results[1][1], "the ranks raised different messages"
     if field == "numel":
         assert results[0][1].startswith(
@@ -101,7 +152,7 @@ def test_mismatch_raises_on_every_rank_naming_field_and_values(mismatch_results,
 
 def test_group_usable_after_mismatches(mismatch_results):
     (_, y0, _, n0), (_, y1, _, n1) = mismatch_results
-    assert n0 == n1 == len(MISMATCHES) + 2
+    assert n0 == n1 == len(PATHS) * len(MISMATCHES) + 2
     parts = torch.stack([torch.full((1000,), float(r + 1)) for r in range(2)])
     expected = emulated_echo_all_reduce(parts, QuantSpec(4, 64))
     assert torch.equal(y0, expected) and torch.equal(y1, expected)
@@ -136,13 +187,33 @@ def test_three_ranks_every_field_named():
 kFaultTimeout = 2.0
 
 
-def fault_body(rank, world_size, fault):
+def _fault_call(path):
+    """Call 2 of the fault tests on ``path``, and the Echo ops it traced. The compiled one carries an "int4"
+    compensator and takes its timeout from ECHO_P2P_TIMEOUT_S, which the op reads when it runs: call 1 runs
+    the same graph with a wait long enough for the peer's compile."""
+    from echo_ds import reference as R
+
+    if path == "eager":
+        return (lambda t: R.echo_all_reduce(t, QuantSpec(4, 64), site=5, direction="backward",
+                                            timeout_s=kFaultTimeout)), (lambda: [])
+    comp = make_compensator(DirectionConfig(state_dtype="int4"))
+    return compile_counted(lambda t: R.echo_all_reduce(t, QuantSpec(4, 64), compensator=comp, site=5,
+                                                       direction="backward"))
+
+
+def fault_body(rank, world_size, fault, path):
     import os
 
     from echo_ds import reference as R
 
     x = torch.randn(4096)
-    R.echo_all_reduce(x, QuantSpec(4, 64), timeout_s=kFaultTimeout)  # call 1 completes
+    call, traced = _fault_call(path)
+    if path == "eager":
+        R.echo_all_reduce(x, QuantSpec(4, 64), timeout_s=kFaultTimeout)  # call 1 completes
+    else:
+        os.environ[R.kTimeoutEnv] = "60"
+        call(x)  # call 1 completes (compiled on each rank at its own pace)
+        os.environ[R.kTimeoutEnv] = str(kFaultTimeout)
     if rank == world_size - 1:
         if fault == "dead":
             os._exit(17)
@@ -155,18 +226,23 @@ def fault_body(rank, world_size, fault):
             dist.all_to_all_single = lambda *a, **k: os._exit(17)
     start = time.monotonic()
     try:
-        R.echo_all_reduce(x, QuantSpec(4, 64), site=5, direction="backward", timeout_s=kFaultTimeout)
+        call(x)
     except R.EchoPeerError as e:
         return (type(e).__name__, str(e), time.monotonic() - start, e.stage, e.call, e.peer, e.rank,
-                type(e.__cause__).__name__)
+                type(e.__cause__).__name__, traced())
     return ("returned", "", time.monotonic() - start)
 
 
-@pytest.mark.parametrize("fault, stage", [("dead", "descriptor"), ("dead-at-all-to-all", "all-to-all")])
-def test_dead_peer_fails_the_call_naming_rank_peer_stage_call(fault, stage):
-    (result,) = run_with_dying_rank(fault_body, 2, fault, timeout=60)
-    kind, message, elapsed, got_stage, call, peer, rank, cause = result
+# Compiled once (each compiled run costs a compile per rank): a death in the middle of the op's collectives.
+@pytest.mark.parametrize("fault, stage, path", [("dead", "descriptor", "eager"),
+                                                ("dead-at-all-to-all", "all-to-all", "eager"),
+                                                ("dead-at-all-to-all", "all-to-all", "compiled")])
+def test_dead_peer_fails_the_call_naming_rank_peer_stage_call(fault, stage, path):
+    (result,) = run_with_dying_rank(fault_body, 2, fault, path, timeout=90)
+    kind, message, elapsed, got_stage, call, peer, rank, cause, traced = result
     assert kind in ("EchoPeerError", "EchoTimeout"), result
+    if path == "compiled":  # the compensated op in each graph (call 2 recompiles: its state is allocated now)
+        assert set(traced) == {"echo_ds.all_reduce_compensated"}, traced
     assert elapsed < kFaultTimeout + 3, result
     assert (got_stage, call, peer, rank) == (stage, 2, 1, 0), result
     assert cause == "RuntimeError"  # gloo's own error is chained
@@ -175,8 +251,8 @@ def test_dead_peer_fails_the_call_naming_rank_peer_stage_call(fault, stage):
 
 
 def test_stalled_peer_times_out_within_the_bound():
-    (result,) = run_with_dying_rank(fault_body, 2, "stall", timeout=60)
-    kind, message, elapsed, stage, call, peer, rank, cause = result
+    (result,) = run_with_dying_rank(fault_body, 2, "stall", "eager", timeout=60)
+    kind, message, elapsed, stage, call, peer, rank, cause, _traced = result
     assert kind == "EchoTimeout", result
     assert kFaultTimeout - 0.1 <= elapsed < kFaultTimeout + 3, result
     assert (stage, call, peer, rank) == ("descriptor", 2, 1, 0), result

@@ -240,6 +240,10 @@ def test_call_descriptor_round_trip_and_mismatch_message():
     assert fields["dtype"] == "bfloat16" and fields["bits"] == 4 and fields["group_size"] == 128
     assert fields["quantizer"] == "zero_aware" and fields["rotation"] and not fields["pow2_rescale"]
     assert fields["compensator"] == "local" and fields[proto.kHashField] == proto.numel_hash(1000)
+    assert fields["state_dtype"] == "bf16"  # the default, and what a call without a compensator sends
+    for state_dtype in proto.DESCRIPTOR_STATE_DTYPES:
+        narrow = proto.decode_descriptor(proto.call_descriptor(**dict(base, state_dtype=state_dtype)))
+        assert narrow == dict(fields, state_dtype=state_dtype), state_dtype
     site3 = proto.call_descriptor(**dict(base, site=3, direction="forward"))
     assert site3 != proto.call_descriptor(**dict(base, site=4, direction="forward"))
     assert site3 != proto.call_descriptor(**dict(base, site=3, direction="backward"))
@@ -247,12 +251,17 @@ def test_call_descriptor_round_trip_and_mismatch_message():
     assert proto.decode_descriptor(proto.call_descriptor(**dict(base, pow2="auto")))["pow2_rescale"] == "auto"
     # every field, changed alone, changes the descriptor
     for k, v in dict(numel=1020, dtype="float16", bits=8, group_size=64, quantizer="naive", rotation=False,
-                     pow2="auto", residual="output", site=3, direction="forward").items():
+                     pow2="auto", residual="output", site=3, direction="forward", state_dtype="int4").items():
         assert proto.call_descriptor(**dict(base, **{k: v})) != d, k
     other = proto.call_descriptor(**dict(base, bits=8))
     f = proto.WaitFailure(proto.kErrorMismatch, 0, 1, proto.kWaitReduce, 0, 3, d, other, 10, one_launch=True)
     msg = proto.describe_failure(f, 5.0, 2)
     assert "bits: rank 0 4, rank 1 8" in msg and "call 3" in msg and "different arguments" in msg, msg
+    # A compensator of another stored format on one rank (the state the correction reads differs).
+    int8, int4 = (proto.call_descriptor(**dict(base, state_dtype=s)) for s in ("int8", "int4"))
+    f = proto.WaitFailure(proto.kErrorMismatch, 0, 1, proto.kWaitReduce, 0, 3, int8, int4, 10, one_launch=True)
+    msg = proto.describe_failure(f, 5.0, 2)
+    assert "(state_dtype: rank 0 'int8', rank 1 'int4')" in msg, msg
 
 
 def test_plain_descriptor_differs_from_every_quantized_call():
@@ -260,9 +269,11 @@ def test_plain_descriptor_differs_from_every_quantized_call():
     plain = proto.plain_call_descriptor(numel=4097, dtype="bfloat16", site=3, direction="forward")
     assert proto.decode_descriptor(plain)["compensator"] == proto.kPlainResidualName
     assert proto.decode_descriptor(plain)["dtype"] == "bfloat16"
-    for bits, g, q, rot, pow2, res in itertools.product((4, 8), proto.DESCRIPTOR_GROUP_SIZES, proto.DESCRIPTOR_QUANTIZERS,
-                                                       (False, True), proto.DESCRIPTOR_POW2, proto.DESCRIPTOR_RESIDUALS):
+    for bits, g, q, rot, pow2, res, state in itertools.product(
+            (4, 8), proto.DESCRIPTOR_GROUP_SIZES, proto.DESCRIPTOR_QUANTIZERS, (False, True), proto.DESCRIPTOR_POW2,
+            proto.DESCRIPTOR_RESIDUALS, proto.DESCRIPTOR_STATE_DTYPES):
         quantized = proto.call_descriptor(numel=4097, dtype="bfloat16", bits=bits, group_size=g, quantizer=q,
-                                          rotation=rot, pow2=pow2, residual=res, site=3, direction="forward")
+                                          rotation=rot, pow2=pow2, residual=res, site=3, direction="forward",
+                                          state_dtype=state)
         assert quantized != plain
     assert proto.plain_call_descriptor(numel=4097, dtype="float16", site=3, direction="forward") != plain
