@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from echo_ds import algorithm as A
+from echo_ds.compensator import kStateTensorDtypes
 from echo_ds.quant import QuantSpec
 
 __all__ = ["all_reduce", "register_backend", "unregister_backend", "drop_backend", "backend_for", "reference_only",
@@ -182,6 +183,12 @@ def _run(x: torch.Tensor, state: List[torch.Tensor], group: str, bits: int, grou
     if len(state) != len(names):
         raise ValueError(f"echo_ds::all_reduce_compensated: {len(state)} state tensors for a compensator that "
                          f"holds {len(names)} ({', '.join(names)}); pass them in the order of its state_names")
+    if comp is not None:  # a tensor of another dtype would be read and written as the format's bytes
+        want = kStateTensorDtypes[comp.state_dtype]
+        wrong = [f"{a} {t.dtype} (a {comp.state_dtype!r} state holds {want[a]})" for a, t in zip(names, state)
+                 if t.dtype != want[a]]
+        if wrong:
+            raise ValueError(f"echo_ds::all_reduce_compensated: state tensors of the wrong dtype: {'; '.join(wrong)}")
     held = [getattr(comp, a) for a in names]
     if comp is not None:  # compute on the tensors the op was given (the same objects in eager mode)
         for a, t in zip(names, state):

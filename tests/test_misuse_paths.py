@@ -263,9 +263,6 @@ def test_state_dict_of_another_format_is_refused_and_a_loaded_state_goes_on(resu
         assert got["continued"], "a restored state did not go on through the compiled op as the emulator"
 
 
-@pytest.mark.xfail(strict=True, reason="echo_ds.collective._run checks the number of state tensors the "
-                   "compensated op is given, not their dtypes: an int8 tensor in place of the int4 state's "
-                   "uint8 q is read and written silently")
 def test_raw_compensated_op_refuses_state_tensors_of_another_dtype(results):
     for r in results:
         assert r["raw_state"] != "returned" and "q" in r["raw_state"], r["raw_state"]
