@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU call (issue 34): the narrow compensator states on the kernels. The JIT build; the state's device
 # functions against the reference (tests/test_state_narrow_kernels.py); the workspace views
-# (tests/test_p2p_views.py); the p2p suites in their quick form (check_state_formats: "int8" and "int4" states,
+# (tests/test_p2p_views.py); the p2p suites in their quick form (check_state_formats: bf16, int8 and int4 states,
 # both residuals, pow2, chunks and graph replay, outputs and states bit-identical to the emulator); then
 # bench_p2p, graph replay, compensated over uncompensated with the state as bf16 and int4 (STATES), P = 2 and
 # 4, 4 MiB to 256 MiB (the issue's ratio goal), in one session so the ratios compare.
