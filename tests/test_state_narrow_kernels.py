@@ -78,8 +78,9 @@ template <int kLanes>
 void launch(echo::Contribution s, const float* u, int64_t num_groups, float* before);
 
 // format: 0 bf16 (m1, m2 bf16 words), 1 int8 (m1, m2 codes, exponent), 2 int4 (m1 packed bytes, exponent).
-void state_update(int64_t format, torch::Tensor m1, c10::optional<torch::Tensor> m2, c10::optional<torch::Tensor> exponent,
-                  torch::Tensor u, std::vector<double> c, int64_t group_size, torch::Tensor before) {
+void state_update(int64_t format, torch::Tensor m1, c10::optional<torch::Tensor> m2,
+                  c10::optional<torch::Tensor> exponent, torch::Tensor u, std::vector<double> c, int64_t group_size,
+                  torch::Tensor before) {
   echo::Contribution s{};
   s.state = static_cast<echo::StateFormat>(format);
   s.m1 = m1.data_ptr();

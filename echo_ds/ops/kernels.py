@@ -253,8 +253,9 @@ def _state_args(m1, m2, exponent, coeffs):
 
 def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, out: SegmentTable,
                   m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
-                  exponent: Optional[torch.Tensor] = None, coeffs=None, update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
-                  group_begin: int = 0, num_groups: Optional[int] = None) -> None:
+                  exponent: Optional[torch.Tensor] = None, coeffs=None, update_state: bool = False,
+                  pow2_amax: Optional[torch.Tensor] = None, group_begin: int = 0,
+                  num_groups: Optional[int] = None) -> None:
     """Stage 1 (entry / push) for groups [group_begin, group_begin + num_groups) of every sent segment.
 
     x: this rank's contribution, any shape, contiguous, float32 / float16 / bfloat16 (n elements).
@@ -277,8 +278,9 @@ def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpe
 
 def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, copies: SegmentTable,
                  out: SegmentTable, m1: Optional[torch.Tensor] = None, m2: Optional[torch.Tensor] = None,
-                 exponent: Optional[torch.Tensor] = None, coeffs=None, update_state: bool = False, pow2_amax: Optional[torch.Tensor] = None,
-                 group_begin: int = 0, num_groups: Optional[int] = None) -> None:
+                 exponent: Optional[torch.Tensor] = None, coeffs=None, update_state: bool = False,
+                 pow2_amax: Optional[torch.Tensor] = None, group_begin: int = 0,
+                 num_groups: Optional[int] = None) -> None:
     """Stage 2 (owner reduce) for groups [group_begin, group_begin + num_groups) of the owned segment.
 
     x, m1, m2, coeffs, pow2_amax: exactly what this rank's push_quantize got; the own copy,
