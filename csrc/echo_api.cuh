@@ -241,6 +241,9 @@ static_assert(sizeof(P2PFlags) == 2 * 8 * kMaxWorldSize * kP2PMaxBlocks + 8 * kM
 // call), the blocks' arrival counter, the poison word (a wait failed: later waits give up at once), and
 // for pow2 rescaling the blocks' max |r'| (bit pattern, atomicMax) with its own arrival counter: the last
 // block to arrive takes the rank's max, leaves both at 0 for the next call and publishes the max.
+// Without rescaling (pow2 0), the range events of the call so far (its chunks' launches): range_clipped
+// and range_key, the largest (max |v| bits << 32 | scale bits) of the groups this rank quantized; the last
+// block of the call's last launch counts them into the error record and leaves both at 0.
 struct P2PControl {
   uint64_t epoch;
   uint32_t arrivals;
@@ -248,12 +251,17 @@ struct P2PControl {
   uint32_t amax_bits;
   uint32_t amax_arrivals;
   int32_t pow2_k;  // the call's pow2 exponent, left by its first chunk's launch for the next ones
-  uint32_t reserved[9];
+  uint32_t range_clipped;
+  unsigned long long range_key;
+  uint32_t reserved[6];
 };
-static_assert(sizeof(P2PControl) == 64, "P2PControl layout");
+static_assert(sizeof(P2PControl) == 64 && offsetof(P2PControl, range_key) == 32, "P2PControl layout");
 
 // Written by the device into mapped host memory (echo_ds/p2p/layout.py ErrorRecord: the same 64 bytes
-// as the staged transport's record). The first failing wait fills it; `code` is written last.
+// as the staged transport's record). The first failing wait fills it; `code` is written last. The range
+// counters are the one-launch call's (calls without rescaling whose groups this rank quantized were
+// clipped, or whose largest group's scale was below fp16's smallest normal value: algorithm.range_flags);
+// only the device writes them and the host reads them whenever it likes (they only grow).
 struct P2PErrorRecord {
   uint32_t code;
   uint32_t rank;
@@ -265,7 +273,10 @@ struct P2PErrorRecord {
   uint32_t seen;        // the epoch the flag held (kP2PErrorMismatch: the peer's descriptor)
   uint64_t waited_ns;
   uint32_t abort_request;  // written by the host: every wait gives up at once
-  uint32_t reserved[5];
+  uint32_t one_launch;     // 1: the record is the one-launch kernel's
+  uint32_t clipped_calls;
+  uint32_t underflow_calls;
+  uint32_t reserved[2];
 };
 static_assert(sizeof(P2PErrorRecord) == 64 && offsetof(P2PErrorRecord, abort_request) == 40, "P2PErrorRecord layout");
 

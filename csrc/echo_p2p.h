@@ -89,7 +89,9 @@ struct EchoP2PErrorRecord {
   uint64_t waited_ns;
   uint32_t abort_request;  // written by the host: every wait gives up at once (close, exit)
   uint32_t one_launch;     // 1: written by the one-launch kernel (its flags hold call numbers, tile is a block)
-  uint32_t reserved[4];
+  uint32_t clipped_calls;    // the one-launch call's range counters (echo_api.cuh, P2PErrorRecord)
+  uint32_t underflow_calls;
+  uint32_t reserved[2];
 };
 static_assert(sizeof(EchoP2PErrorRecord) == 64, "EchoP2PErrorRecord size");
 static_assert(offsetof(EchoP2PErrorRecord, waited_ns) == 32, "EchoP2PErrorRecord::waited_ns");
@@ -124,4 +126,6 @@ static_assert(offsetof(EchoP2PErrorRecord, abort_request) == 40, "EchoP2PErrorRe
   X("error.seen", offsetof(EchoP2PErrorRecord, seen))                      \
   X("error.waited_ns", offsetof(EchoP2PErrorRecord, waited_ns))            \
   X("error.abort_request", offsetof(EchoP2PErrorRecord, abort_request))    \
-  X("error.one_launch", offsetof(EchoP2PErrorRecord, one_launch))
+  X("error.one_launch", offsetof(EchoP2PErrorRecord, one_launch))          \
+  X("error.clipped_calls", offsetof(EchoP2PErrorRecord, clipped_calls))    \
+  X("error.underflow_calls", offsetof(EchoP2PErrorRecord, underflow_calls))

@@ -80,6 +80,7 @@ struct GroupParams {
 
 constexpr float kFp16Max = 65504.0f;
 constexpr float kFp16MinSubnormal = 5.9604644775390625e-08f;  // 2^-24
+constexpr float kFp16MinNormal = 6.103515625e-05f;             // 2^-14 (algorithm.kFp16MinNormal)
 // fp16 NaN as torch writes it (torch.full(..., nan, dtype=float16) converts on the host): 0x7E00.
 constexpr uint16_t kFp16NaNBits = 0x7E00;
 // amax / kMaxZeroPoint with kMaxZeroPoint = 1024: a power of two, so the product by 2^-10 is the

@@ -73,7 +73,7 @@ __device__ __forceinline__ void record_failure(const P2PAllReduceArgs& a, uint32
   e->expected = static_cast<uint32_t>(mismatch ? expected : expected >> 32);
   e->seen = static_cast<uint32_t>(mismatch ? seen : seen >> 32);
   e->waited_ns = waited_ns;
-  e->reserved[0] = 1;  // the one-launch kernel's record (echo_ds/p2p/protocol.py, WaitFailure)
+  e->one_launch = 1;  // echo_ds/p2p/protocol.py, WaitFailure
   __threadfence_system();
   e->code = code;
   __threadfence_system();
@@ -120,13 +120,64 @@ __device__ __forceinline__ void wait_peers(const P2PAllReduceArgs& a, uint64_t (
 
 // The end of every launch of the family: the last block to finish raises the epoch to this launch's (every
 // block read it at its start), so that the next launch, eager or replayed from a graph, takes the next one.
-__device__ __forceinline__ void finish_launch(P2PControl* control, uint64_t epoch) {
+// True on thread 0 of that last block, after every other block's writes to the control block.
+__device__ __forceinline__ bool finish_launch(P2PControl* control, uint64_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const uint32_t prev = atomicInc(&control->arrivals, gridDim.x - 1);  // wraps to 0 for the next launch
-    if (prev == gridDim.x - 1) *reinterpret_cast<volatile uint64_t*>(&control->epoch) = epoch;
+    if (prev == gridDim.x - 1) {
+      *reinterpret_cast<volatile uint64_t*>(&control->epoch) = epoch;
+      __threadfence();
+      return true;
+    }
   }
+  return false;
+}
+
+// Range without rescaling (pow2 0; algorithm.range_flags, issue 35): the events of one group this rank
+// quantized, into the block's shared words. clipped: a finite group has a value more than half a step
+// beyond its grid's ends; key: the largest (max |v|, scale) pair, whose scale below fp16's smallest normal
+// value makes the call's underflow. Called by all the group's lanes together, after quantize_group on v.
+struct RangeWatch {
+  unsigned long long key;
+  uint32_t clipped;
+};
+
+template <int kBits, int kLanes>
+__device__ __forceinline__ void watch_range(RangeWatch* w, const float (&v)[kElemsPerThread], const GroupParams& p,
+                                            Quantizer quantizer, int lane) {
+  float mn, mx;
+  bool finite;
+  group_stats<kLanes>(v, mn, mx, finite);
+  if (lane != 0 || !finite) return;
+  const float q_min = quantizer == Quantizer::kSymmetric ? 1.0f : 0.0f;
+  const float half = f_mul(0.5f, p.scale);
+  const float top = f_add(f_mul(f_sub(float((1 << kBits) - 1), p.zero), p.scale), half);
+  const float bottom = f_sub(f_mul(f_sub(q_min, p.zero), p.scale), half);
+  if (mx > top || mn < bottom) atomicOr(&w->clipped, 1u);
+  const float amax = fmaxf(fabsf(mn), fabsf(mx));
+  if (amax > 0.0f) {
+    atomicMax(&w->key, (static_cast<unsigned long long>(__float_as_uint(amax)) << 32) | __float_as_uint(p.scale));
+  }
+}
+
+// The block's range events into the control block (before finish_launch); the last block of the call's last
+// launch counts the call into the mapped record's counters and leaves the control words at 0.
+__device__ __forceinline__ void fold_range(const P2PAllReduceArgs& a, const RangeWatch& w) {
+  if (w.clipped) atomicOr(&a.control->range_clipped, 1u);
+  if (w.key) atomicMax(&a.control->range_key, w.key);
+}
+__device__ __forceinline__ void count_range(const P2PAllReduceArgs& a) {
+  if (a.chunk_begin + a.chunk_groups < a.layout.groups_per_segment) return;  // chunks of the call follow
+  volatile P2PControl* c = a.control;
+  const unsigned long long key = c->range_key;
+  const bool underflow = (key >> 32) != 0 && __uint_as_float(static_cast<uint32_t>(key)) < kFp16MinNormal;
+  volatile P2PErrorRecord* e = a.error;
+  if (c->range_clipped) e->clipped_calls = e->clipped_calls + 1;
+  if (underflow) e->underflow_calls = e->underflow_calls + 1;
+  c->range_clipped = 0;
+  c->range_key = 0;
 }
 
 // -DECHO_P2P_SIGNAL_FENCE=0 builds the signal without the full system fence before the release store (the
@@ -173,6 +224,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   constexpr int kPerItem = kGroupsPerBlockItem<kLanes>;
   __shared__ uint64_t epoch_shared;
   __shared__ float amax_shared;
+  __shared__ RangeWatch range;  // pow2 0: this block's range events
   const int me = a.rank;
   const int lane = static_cast<int>(threadIdx.x % kLanes);
   const int64_t seg_elems = a.layout.groups_per_segment * kGroupSize;
@@ -183,10 +235,14 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   P2PControl* control = a.control;
   P2PFlags* mine = a.flags[me];
 
-  if (threadIdx.x == 0) epoch_shared = *reinterpret_cast<volatile uint64_t*>(&control->epoch) + 1;
+  if (threadIdx.x == 0) {
+    epoch_shared = *reinterpret_cast<volatile uint64_t*>(&control->epoch) + 1;
+    range = RangeWatch{0ull, 0u};
+  }
   __syncthreads();
   const uint64_t epoch = epoch_shared;
   const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;  // what this call's flags hold
+  const bool watch = a.pow2 == 0;
 
   // pow2 rescaling: the group's max |r'|, before any code is formed. Every block takes the max of its
   // share of this rank's tensor into control->amax_bits; the last block to arrive publishes the rank's max
@@ -260,6 +316,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     Codes<kBits> codes;
     const GroupParams p = quantize_group<kBits, kLanes>(v, a.quantizer, lane, codes);
     store_packet_group<kBits, kLanes>(a.push_out, j, gi, lane, codes, p);
+    if (watch) watch_range<kBits, kLanes>(&range, v, p, a.quantizer, lane);
     if (a.update_local) {
       float u[kElemsPerThread];
       local_residual<kBits>(codes, p, v, k, u);
@@ -350,6 +407,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     const GroupParams p = quantize_group<kBits, kLanes>(acc, a.quantizer, lane, codes);
 #pragma unroll
     for (int d = 0; d < kWorld; ++d) store_packet_group<kBits, kLanes>(a.reduce_out, d, gi, lane, codes, p);
+    if (watch) watch_range<kBits, kLanes>(&range, acc, p, a.quantizer, lane);
     if (a.update_local) {
       float u[kElemsPerThread];
       local_residual<kBits>(codes, p, acc, k, u);
@@ -422,7 +480,11 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     }
   }
 
-  finish_launch(control, epoch);
+  if (watch) {
+    __syncthreads();
+    if (threadIdx.x == 0) fold_range(a, range);
+  }
+  if (finish_launch(control, epoch) && watch) count_range(a);
 }
 
 // The same call without quantization (a custom all-reduce like vLLM's two-shot one): the in-run 16-bit

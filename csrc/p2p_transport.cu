@@ -17,7 +17,9 @@ static_assert(offsetof(P2PErrorRecord, code) == offsetof(EchoP2PErrorRecord, cod
                   offsetof(P2PErrorRecord, seen) == offsetof(EchoP2PErrorRecord, seen) &&
                   offsetof(P2PErrorRecord, waited_ns) == offsetof(EchoP2PErrorRecord, waited_ns) &&
                   offsetof(P2PErrorRecord, abort_request) == offsetof(EchoP2PErrorRecord, abort_request) &&
-                  offsetof(P2PErrorRecord, reserved) == offsetof(EchoP2PErrorRecord, one_launch),
+                  offsetof(P2PErrorRecord, one_launch) == offsetof(EchoP2PErrorRecord, one_launch) &&
+                  offsetof(P2PErrorRecord, clipped_calls) == offsetof(EchoP2PErrorRecord, clipped_calls) &&
+                  offsetof(P2PErrorRecord, underflow_calls) == offsetof(EchoP2PErrorRecord, underflow_calls),
               "the error records' words");
 
 // Put launches: bytes per block and threads per block. 512 threads x 16-byte vectors keep 8 KiB in

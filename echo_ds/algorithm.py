@@ -170,31 +170,34 @@ def range_flags(seg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec
     half = 0.5 * s
     beyond = finite & ((mx > (float(2**spec.bits - 1) - z) * s + half) | (mn < (q_min - z) * s - half))
     amax = torch.where(finite, torch.maximum(mn.abs(), mx.abs()), torch.zeros_like(mn)).view(R, -1)
-    top = amax.argmax(dim=1, keepdim=True)
-    underflow = (amax.gather(1, top) > 0) & (s.view(R, -1).gather(1, top) < kFp16MinNormal)
-    return beyond.view(R, -1).any(dim=1), underflow.view(R)
+    # The largest group's scale; of groups tied at the largest max |v|, the largest scale (the kernels
+    # take the maximum of (max |v|, scale) pairs, csrc/p2p_all_reduce.cuh watch_range).
+    top = amax.amax(dim=1, keepdim=True)
+    top_scale = torch.where(amax == top, s.view(R, -1), torch.zeros_like(amax)).amax(dim=1)
+    underflow = (top.view(R) > 0) & (top_scale < kFp16MinNormal)
+    return beyond.view(R, -1).any(dim=1), underflow
 
 
-def note_range(clipped: bool, underflow: bool, spec: QuantSpec, where: str) -> None:
-    """Count a call's range events (RangeEvents) and warn once per kind, naming the setting."""
-    if clipped:
-        range_events.clipped_calls += 1
-    if underflow:
-        range_events.underflow_calls += 1
-    if clipped or underflow:
+def note_range(clipped: int, underflow: int, bits: int, where: str) -> None:
+    """Count range events (RangeEvents: ``clipped`` and ``underflow`` calls, a bool for one call) and warn
+    once per kind, naming the setting."""
+    from echo_ds.log import log_once
+
+    range_events.clipped_calls += int(clipped)
+    range_events.underflow_calls += int(underflow)
+    for kind, count in (("clipped", clipped), ("underflow", underflow)):
+        if not count:
+            continue
         what = ("values beyond what its group scales express were clipped (the format's largest scale "
-                "cannot reach them)" if clipped else
+                "cannot reach them)" if kind == "clipped" else
                 "values are below what its group scales resolve (a scale below fp16's smallest normal value), "
                 "so they were quantized coarsely or flushed to zero")
-        from echo_ds.log import log_once
-
         log_once("warning",
                  f"echo: {where} with pow2_rescale=False: a message's {what}; its result is off by more than the "
-                 f"{spec.bits}-bit format's bound. Set pow2_rescale to \"auto\" (the config keys "
+                 f"{bits}-bit format's bound. Set pow2_rescale to \"auto\" (the config keys "
                  f"echo.forward.pow2_rescale / echo.backward.pow2_rescale) to rescale such messages by an exact "
                  f"power of two. Counted in echo_ds.algorithm.range_events (and EchoStats under DeepSpeed); "
-                 f"this warning is shown once.",
-                 key=f"echo-range-{'clipped' if clipped else 'underflow'}", rank=0)
+                 f"this warning is shown once.", key=f"echo-range-{kind}", rank=0)
 
 
 def quantize_segments(seg: torch.Tensor, spec: QuantSpec):

@@ -51,7 +51,7 @@ def emulated_echo_all_reduce(parts: torch.Tensor, spec: QuantSpec, compensator: 
         for t, own in zip(seen, (acc,) + reduced[1:]):
             t[diag, diag] = own
         clipped, underflow = A.range_flags(*seen, spec)
-        A.note_range(bool(clipped.any()), bool(underflow.any()), spec, "emulated_echo_all_reduce")
+        A.note_range(bool(clipped.any()), bool(underflow.any()), spec.bits, "emulated_echo_all_reduce")
     s_hat = s_hat_scaled * 2.0**-k if k else s_hat_scaled
     y = A.from_segments(A.unrotate_if(s_hat, spec), layout, out_shape, parts.dtype)
 

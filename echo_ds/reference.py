@@ -385,7 +385,7 @@ def _echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proc
     if pow2_rescale is False:  # what this rank quantized: its sent segments and the one it reduced
         seen = [torch.cat((a, b))[None] for a, b in zip((rs[others],) + sent[1:], (acc[None],) + reduced[1:])]
         clipped, underflow = A.range_flags(*seen, spec)
-        A.note_range(bool(clipped), bool(underflow), spec, "echo_all_reduce")
+        A.note_range(bool(clipped), bool(underflow), spec.bits, "echo_all_reduce")
 
     # All-gather of the reduced codes; every rank dequantizes the same codes.
     gathered = torch.empty(world_size * packet_bytes, dtype=torch.uint8, device=x.device)

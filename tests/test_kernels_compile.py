@@ -201,5 +201,5 @@ def test_transport_layout_header_equals_the_python_side(tmp_path):
     header = {name: int(value) for name, value in (line.split() for line in out.splitlines())}
     assert {k: header.get(k) for k in L.SIGNALS_LAYOUT} == L.SIGNALS_LAYOUT
     used = {"control_bytes", "control.call_index", "control.poisoned", "error_bytes"}
-    used |= {"error." + w for w in transport._RECORD_WORDS + ("abort_request", "one_launch")}
+    used |= {"error." + w for w in transport._RECORD_WORDS + transport._RECORD_EXTRA}
     assert used <= header.keys(), sorted(used - header.keys())

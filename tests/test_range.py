@@ -232,3 +232,70 @@ def _reference_range_counts(rank, world_size):
 def test_reference_counts_what_each_rank_quantized():
     for counts in run_distributed(_reference_range_counts, 2, timeout=60):
         assert counts == [(0, 0), (1, 0), (0, 1)], counts
+
+
+def test_ties_at_the_largest_group_take_the_largest_scale():
+    """Of groups tied at the largest max |v|, the largest scale decides the underflow (the kernels take the
+    maximum of (max |v|, scale) pairs): a symmetric-range group next to a one-sided one of the same max."""
+    spec = QuantSpec(4, 64, "zero_aware", False)
+    a = 2.0**-11  # (max - min) / 15: 2^-10 / 15 (above 2^-14) for the symmetric group, 2^-11 / 15 for the other
+    g = torch.stack((torch.linspace(0, a, 64), torch.linspace(-a, a, 64)))[None]
+    _, scale, zero = A.quantize_segments(g, spec)
+    assert scale.float()[0, 0] < A.kFp16MinNormal <= scale.float()[0, 1], scale
+    assert [bool(f) for f in A.range_flags(g, scale, zero, spec)] == [False, False]
+    assert [bool(f) for f in A.range_flags(g[:, :1], scale[:, :1], zero[:, :1], spec)] == [False, True]
+
+
+# (name, parts' scale, the rank whose parts are scaled by 1e-9 or None, (clipped, underflow) on every rank)
+GPU_RANGE_CASES = (("in range", 1.0, None, (0, 0)), ("clipped", 1e7, None, (1, 0)),
+                   ("underflow", 1e-9, None, (0, 1)), ("one tiny rank", 1.0, 0, (0, 0)))
+
+
+def _kernel_range_counts(rank, world_size):
+    """Every case through the one-launch kernel with pow2_rescale=False: the counts the kernel reported per
+    call (after synchronize), the results against the emulator, the warnings."""
+    from echo_ds import algorithm
+    from echo_ds import log as echo_log
+    from echo_ds.p2p import EchoBuffer
+    import p2p_suite
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    handler = _Captured()
+    echo_log.logger.addHandler(handler)
+    # max_numel: the 40,000-element calls run in several chunks (one launch each), counted once per call.
+    buf = EchoBuffer(max_numel=1 << 14, timeout_s=20.0, stages="fused")
+    assert buf.active, buf.reason
+    out = []
+    for spec in ALL_SPECS:
+        for n in (3000, 40_000):
+            for name, scale, tiny, _ in GPU_RANGE_CASES:
+                x = p2p_suite.parts_for(world_size, n, torch.bfloat16, 7 + n, device, scale)
+                if tiny is not None:
+                    x[tiny] *= 1e-9
+                before = (algorithm.range_events.clipped_calls, algorithm.range_events.underflow_calls)
+                y = buf.all_reduce(x[rank].clone(), spec, pow2_rescale=False)
+                buf.synchronize()
+                counts = (algorithm.range_events.clipped_calls - before[0],
+                          algorithm.range_events.underflow_calls - before[1])
+                same = p2p_suite.same_bits(y, emulated_echo_all_reduce(x, spec, None, False))
+                out.append((str(spec), n, name, counts, same))
+    buf.close()
+    echo_log.logger.removeHandler(handler)
+    return out, [m for m in handler.messages if "pow2_rescale=False" in m]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_kernel_counts_range_events_as_the_reference(world_size):
+    """pow2_rescale=False on the one-launch kernel: every call whose groups the format could not express is
+    counted and warned about, as the reference counts and warns (per rank, what it quantized), one count per
+    call however many chunks it takes; the numerics are unchanged (bit-identical to the emulator)."""
+    expected = {name: counts for name, _, _, counts in GPU_RANGE_CASES}
+    for rank, (calls, warned) in enumerate(run_distributed(_kernel_range_counts, world_size, timeout=300)):
+        for spec, n, name, counts, same in calls:
+            assert same, (rank, spec, n, name)
+            assert counts == expected[name], (rank, spec, n, name, counts)
+        if rank == 0:  # the warnings are rank 0's (log_once(rank=0)), one per kind
+            assert len(warned) == 2 and "clipped" in warned[0] and "flushed" in warned[1], warned

@@ -160,6 +160,8 @@ class EchoBuffer:
         self._runtime = None  # echo_ds.ops' P2PRuntime: the one-launch call
         self._decisions = {}  # call-policy key -> Decision (a pure function of the key)
         self._plans = {}  # a call's key -> the one-launch call's arguments (see all_reduce)
+        self._range_seen = (0, 0)  # the kernels' range counters as last folded (_note_range)
+        self._range_bits = 4  # the bit width the range warning names: the last call's without rescaling
         self._streams = {}
         self._events = {}
         self._num_calls = 0
@@ -403,7 +405,24 @@ class EchoBuffer:
             for s in self._streams.values():
                 s.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
+        self._note_range()
         self.check()
+
+    def _note_range(self, bits: Optional[int] = None, transport=None) -> None:
+        """Fold the kernels' range counters (one-launch calls without rescaling whose message the format could
+        not express, csrc/p2p_all_reduce.cuh count_range) into algorithm.range_events and warn once per kind,
+        as the reference path does. Reads mapped memory, no synchronisation: calls in flight count later
+        (at the next call without rescaling, synchronize() or close())."""
+        if bits is not None:
+            self._range_bits = bits
+        t = self.transport if transport is None else transport
+        if t is None or t.kind != "cuda":
+            return
+        counts = t.range_counts()
+        if counts != self._range_seen:
+            (clipped, underflow), (seen_c, seen_u) = counts, self._range_seen
+            self._range_seen = counts
+            A.note_range(clipped - seen_c, underflow - seen_u, self._range_bits, "EchoBuffer.all_reduce")
 
     def would_use_p2p(self, x: torch.Tensor, spec: QuantSpec, compensator=None) -> policy.Decision:
         """The call policy for ``x`` (a pure function of its size, dtype and the group's facts)."""
@@ -469,14 +488,23 @@ class EchoBuffer:
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
                                    site=site, direction=direction)
         self.check()
+        # Without rescaling, the one-launch call at any size: its kernel counts the range events (issue 35).
         if self._runtime is not None and (x.numel() * x.element_size() <= self.one_launch_max_bytes
-                                          or not self._fits_staged(x, spec)):
+                                          or pow2_rescale is False or not self._fits_staged(x, spec)):
             plan = self._one_launch_plan(x, spec, compensator, pow2_rescale, site, direction)
             if plan is not None:
                 if len(self._plans) >= 4096:
                     self._plans.clear()
                 self._plans[key] = plan
                 return self._one_launch(x, plan, compensator)
+        if pow2_rescale is False:
+            # NOTE: the staged pipeline does not check what the format can express; the reference does (the
+            # choice is the same on every rank: the runtime exists on all or none, the kernel's support is
+            # a function of the call's arguments).
+            _warn_once("pow2_rescale=False runs on the one-launch kernel or the reference path, which count "
+                       "messages the format cannot express; this call's kernel is not available", self.rank)
+            return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
+                                   site=site, direction=direction)
         if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
             # NOTE: an event recorded inside a capture must never be waited on outside it (CUDA answers
             # "invalid argument", seen on the H200 at the first eager call after a replay), so a captured
@@ -547,6 +575,8 @@ class EchoBuffer:
 
     def _one_launch(self, x, plan, compensator):
         state_shape, residual, g, bits, quantizer_code, signs, norm, descriptor, pow2 = plan
+        if pow2 == 0:
+            self._note_range(bits)  # the calls before this one that have finished
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -712,6 +742,7 @@ class EchoBuffer:
                 for s in self._streams.values():
                     s.synchronize()
                 torch.cuda.synchronize(self.device)
+                self._note_range(transport=t)  # the last calls' range events
         finally:
             t.abort()
             if self._runtime is not None:

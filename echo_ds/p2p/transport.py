@@ -46,6 +46,8 @@ Flag = Tuple[int, int]
 
 # The words of EchoP2PErrorRecord in WaitFailure's order (its offsets come from the extension).
 _RECORD_WORDS = ("code", "rank", "peer", "stage", "tile", "call_index", "expected", "seen", "waited_ns")
+# The record's other words: the host's abort request, the one-launch kernel's mark and its range counters.
+_RECORD_EXTRA = ("abort_request", "one_launch", "clipped_calls", "underflow_calls")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,7 +131,7 @@ class CudaTransport:
             self._own.append(self.control_ptr)
             D.memset_u8(self.control_ptr, 0, self.layout["control_bytes"])
             self._host_record, self.error_dev_ptr = D.host_alloc_mapped(self.layout["error_bytes"])
-            for name in _RECORD_WORDS + ("abort_request", "one_launch"):
+            for name in _RECORD_WORDS + _RECORD_EXTRA:
                 word = ctypes.c_uint64 if name == "waited_ns" else ctypes.c_uint32
                 self._record[name] = word.from_address(self._host_record + self.layout["error." + name])
             self.progress_ptr = self.local_ptr["signals"] + L.signal_offset("progress")
@@ -221,6 +223,14 @@ class CudaTransport:
         if r["code"].value == proto.kErrorNone:
             return None
         return proto.WaitFailure(*(r[name].value for name in _RECORD_WORDS), one_launch=bool(r["one_launch"].value))
+
+    def range_counts(self) -> Tuple[int, int]:
+        """(clipped, underflow): this rank's one-launch calls without rescaling that the format could not
+        express, as the kernels counted them so far (mapped memory, no synchronisation: calls still in
+        flight are not in yet)."""
+        if self.closed or self._host_record is None:
+            return 0, 0
+        return self._record["clipped_calls"].value, self._record["underflow_calls"].value
 
     def clear_failure(self) -> None:
         """Forget a failure (the constructor's probe only): record and poison back to zero."""
