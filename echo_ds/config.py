@@ -15,6 +15,7 @@
                    "fast_decay": 0.3, "residual": "local", "pow2_rescale": true, "state_dtype": "int4"},
       "early_sites": {"bits": 8, "fraction": 0.0},
       "backend": "auto",            // "auto" | "reference" | "p2p"
+      "on_fault": "raise",          // "raise" | "reference": after a p2p peer fault (EchoBuffer)
       "min_message_bytes": 0,
       "telemetry": false,           // record the norm of each call's revealed error
       "quantize_lm_head": false     // also compress the output head's all-reduce (inference)
@@ -54,6 +55,11 @@ ECHO_KEY = "echo"
 # (torch.distributed), "p2p" (the CUDA peer-to-peer transport).
 Backend = Literal["auto", "reference", "p2p"]
 BACKENDS = get_args(Backend)
+# What the p2p backend does after a failed wait (a peer stopped, killed or too far behind; a call with other
+# arguments): "raise" the named error at that call and every later one, or raise it once and go on over the
+# reference path ("reference"). echo_ds.p2p.EchoBuffer's on_fault has the guarantees and what the caller owes.
+OnFault = Literal["raise", "reference"]
+ON_FAULT = get_args(OnFault)
 # The stored formats of the compensator's state (echo_ds.compensator, "Storage"): "bf16" m1 and m2 as
 # bfloat16; "int8" / "int4" as 8- or 4-bit integers with one power-of-two exponent per group.
 StateDtype = Literal["bf16", "int8", "int4"]
@@ -213,6 +219,7 @@ class EchoConfig(_Section):
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
     early_sites: EarlySitesConfig = Field(default_factory=EarlySitesConfig)
     backend: Backend = "auto"
+    on_fault: OnFault = "raise"
     min_message_bytes: int = Field(0, ge=0)
     telemetry: bool = False
     quantize_lm_head: bool = False

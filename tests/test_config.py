@@ -11,6 +11,7 @@ def test_defaults_are_the_documented_schema():
     cfg = EchoConfig()
     assert cfg.enabled and cfg.bits == 4 and cfg.group_size == 64 and cfg.quantizer == "zero_aware_int"
     assert cfg.rotation == "hadamard" and cfg.backend == "auto" and cfg.min_message_bytes == 0
+    assert cfg.on_fault == "raise"
     for d, gain in ((cfg.forward, 1.0), (cfg.backward, 0.75)):
         assert (d.compensate, d.gain, d.blend, d.slow_decay, d.fast_decay, d.residual) == \
             (True, gain, 0.35, 0.7, 0.3, "local")
@@ -33,6 +34,7 @@ def test_defaults_are_the_documented_schema():
     ({"quantizer": "nf4"}, "echo.quantizer", "'nf4'", "'zero_aware', 'symmetric', 'naive' or 'zero_aware_int'"),
     ({"rotation": "dct"}, "echo.rotation", "'dct'", "'none' or 'hadamard'"),
     ({"backend": "nccl"}, "echo.backend", "'nccl'", "'auto', 'reference' or 'p2p'"),
+    ({"on_fault": "ignore"}, "echo.on_fault", "'ignore'", "'raise' or 'reference'"),
     ({"min_message_bytes": -1}, "echo.min_message_bytes", "-1", "greater than or equal to 0"),
     ({"forward": {"gain": 1.5}}, "echo.forward.gain", "1.5", "less than or equal to 1"),
     ({"forward": {"gain": -0.1}}, "echo.forward.gain", "-0.1", "greater than or equal to 0"),

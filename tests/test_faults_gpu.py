@@ -8,7 +8,10 @@ parent gives each rank that has sent its last report ``kExitS`` seconds to be go
 
 Runs, on the GPU (CUDA transport, P = 2 and 4 ranks sharing one device; skipped without CUDA) and on the
 CPU (host transport, P = 2, and P = 4 with ECHO_SLOW_TESTS=1: the same bodies and harness, so that they run
-where no GPU is). Rank P - 1 is the one lost; the others are the survivors.
+where no GPU is). Rank P - 1 is the one lost; the others are the survivors. On the host transport the mix's
+calls without rescaling run with pow2_rescale "auto" instead (``_P2PMix``): EchoBuffer sends a call with
+False to the reference path where no one-launch kernel counts range events, as on the host, and these runs
+are about the p2p transport's waits; the emulator gets the same "auto".
 
 * kill: once every rank has made ``fault_after`` calls, the parent SIGKILLs rank P - 1. Every survivor raises
   EchoP2PTimeout naming itself and the lost rank within ``timeout_s + kSlackS`` of the signal. Then, as a
@@ -26,9 +29,17 @@ where no GPU is). Rank P - 1 is the one lost; the others are the survivors.
   resumes it (SIGCONT). The resumed rank raises as well; then every rank closes its buffer together (the
   barrier: no rank frees memory a peer still maps) and goes on with the reference path on the same group,
   with fresh compensators (a failed call leaves its state undefined), bit-identical to the emulator, and
-  exits 0. The library has no setting that does this by itself; the test does what a user can do with
-  EchoBuffer.close(). Whether the resumed rank returned a wrong result before it raised:
-  ``test_resumed_rank_returns_no_wrong_result``.
+  exits 0: what a user can do by hand with EchoBuffer.close(). Whether the resumed rank returned a wrong
+  result before it raised: ``test_resumed_rank_returns_no_wrong_result``.
+* resume with ``on_fault="reference"`` (the library's setting for the same, EchoBuffer's ``on_fault`` and the
+  config key ``echo.on_fault``): every rank builds its buffer with it, and after the named error, raised once,
+  keeps calling ``buf.all_reduce`` on the buffer the error left open (no close, no collective in between):
+  the calls run the reference path (counted by echo_ds.reference.call_count), with fresh compensators,
+  bit-identical to the emulator; ``check()`` and ``synchronize()`` raise no more; then every rank closes
+  its buffer together and exits 0.
+
+The setting on its own (host transport, two CPU ranks, a rank that sleeps past the timeout instead of a
+signal): ``test_on_fault_*``.
 """
 
 from __future__ import annotations
@@ -67,6 +78,14 @@ SETUPS = [pytest.param("host", 2, id="host-P2"), pytest.param("host", 4, marks=S
 # ------------------------------------------------------------------------------------------------------
 # Inside a rank
 # ------------------------------------------------------------------------------------------------------
+
+class _P2PMix(p2p_suite.MixedCalls):
+    """MixedCalls whose every call takes the host transport's p2p path: pow2_rescale=False becomes "auto"."""
+
+    def config(self, call):
+        ci, spec, residual, pow2, dtype, n = super().config(call)
+        return ci, spec, residual, "auto" if pow2 is False else pow2, dtype, n
+
 
 def _device(rank, cfg) -> torch.device:
     if cfg["transport"] != "cuda":
@@ -120,34 +139,60 @@ def _reference_attempt(rank, device, cfg):
     return {"type": None, "message": "the call returned", "waited_s": time.monotonic() - t0}
 
 
-def _reference_calls(world_size, rank, device, cfg):
-    """The group's calls after every rank closed its buffer: the reference's, compared with the emulator."""
+def _reference_calls(world_size, rank, device, cfg, buf=None):
+    """The group's calls after the fault, compared with the emulator (fresh compensators: MixedCalls of a new
+    seed): ``echo_all_reduce`` after every rank closed its buffer, or ``buf.all_reduce`` on the buffer that
+    on_fault="reference" moved to the reference path. Also how long the first call took: it waits for the
+    slowest rank to have raised."""
     from echo_ds.reference import call_count, echo_all_reduce
 
     mix = p2p_suite.MixedCalls(world_size, rank, device, cfg["sizes"], cfg["comp_numel"], seed=23)
 
     def reduce(x, spec, comp, pow2):
+        if buf is not None:
+            return buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
         return echo_all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
 
     before = call_count()
     mismatches = []
+    t0 = time.monotonic()
+    first_call_s = None
     for call in range(cfg["reference_calls"]):
         y, expected = mix.run(reduce, call, check=True)
+        if buf is not None:
+            buf.synchronize()  # raises nothing once the buffer is on the reference path
+        if first_call_s is None:
+            first_call_s = time.monotonic() - t0
         if not p2p_suite.same_bits(y, expected):
             mismatches.append(call)
-    return {"mismatches": mismatches, "reference_calls": call_count() - before}
+    return {"mismatches": mismatches, "reference_calls": call_count() - before, "first_call_s": first_call_s}
+
+
+def _plain_sum_is_exact(buf, world_size, rank, device) -> bool:
+    """buf.plain_all_reduce of small integers (exact in fp32 in any order) is their sum over the ranks."""
+    x = torch.arange(1000, dtype=torch.float32, device=device) % 97 * (rank + 1)
+    want = torch.arange(1000, dtype=torch.float32, device=device) % 97 * (world_size * (world_size + 1) // 2)
+    return torch.equal(buf.plain_all_reduce(x), want)
 
 
 def _faulted_rank(rank, world_size, cfg, report, shared):
     from echo_ds.p2p import EchoBuffer
 
     device = _device(rank, cfg)
-    buf = EchoBuffer(max_numel=kMaxNumel, timeout_s=cfg["timeout_s"], transport=cfg["transport"])
+    on_fault = "reference" if cfg["then"] == "on_fault" else "raise"
+    buf = EchoBuffer(max_numel=kMaxNumel, timeout_s=cfg["timeout_s"], transport=cfg["transport"], on_fault=on_fault)
     assert buf.active, buf.reason
-    mix = p2p_suite.MixedCalls(world_size, rank, device, cfg["sizes"], cfg["comp_numel"], seed=11)
+    mixed = _P2PMix if cfg["transport"] == "host" else p2p_suite.MixedCalls
+    mix = mixed(world_size, rank, device, cfg["sizes"], cfg["comp_numel"], seed=11)
     failure, mismatches = _calls_until_failure(buf, mix, rank, cfg, shared)
     report("raised", failure)
     out = {"failure": failure, "mismatches": mismatches, "after": None}
+    if on_fault == "reference":  # the buffer stays open: the setting moved it to the reference path
+        out["active"], out["reason"] = buf.active, buf.reason
+        out["after"] = _reference_calls(world_size, rank, device, cfg, buf=buf)
+        out["plain_exact"] = _plain_sum_is_exact(buf, world_size, rank, device)
+        buf.close()  # collective (its barrier): every rank is here
+        return out
     if cfg["how"] == "resume":
         buf.close(abort=True)  # collective (its barrier): the resumed rank closes too
         out["after"] = _reference_calls(world_size, rank, device, cfg)
@@ -379,7 +424,33 @@ def test_resumed_rank_raises_and_every_rank_goes_on_with_the_reference(transport
     assert 0.0 < f["at"] - out["t_resume"] < cfg["timeout_s"] + kSlackS, (f["at"] - out["t_resume"], f)
     for rank in range(world_size):
         after = out["results"][rank]["after"]
-        assert after == {"mismatches": [], "reference_calls": cfg["reference_calls"]}, (rank, after)
+        assert (after["mismatches"], after["reference_calls"]) == ([], cfg["reference_calls"]), (rank, after)
+    _check_exits(out, range(world_size))
+
+
+@pytest.mark.parametrize("transport,world_size", SETUPS)
+def test_on_fault_reference_every_rank_raises_once_and_goes_on_with_its_buffer(transport, world_size):
+    """With on_fault="reference" the survivors and the resumed rank raise the named error once, within the
+    timeout, and then go on calling the same buffer: reference calls, bit-identical to the emulator, until
+    they close it together and exit."""
+    out = _outcome(transport, world_size, "resume", "on_fault")
+    _check_survivors(out, world_size)
+    cfg, victim = out["cfg"], out["cfg"]["victim"]
+    f = out["results"][victim]["failure"]
+    assert f["type"] == "EchoP2PTimeout" and f"rank {victim} of {world_size}" in f["message"], f
+    assert 0.0 < f["at"] - out["t_resume"] < cfg["timeout_s"] + kSlackS, (f["at"] - out["t_resume"], f)
+    for rank in range(world_size):
+        r = out["results"][rank]
+        assert r["mismatches"] == [], (rank, r["mismatches"])
+        assert r["active"] is False, (rank, r["reason"])
+        assert "moved the group to the reference path" in r["reason"] and "EchoP2PTimeout" in r["reason"] \
+            and f"rank {rank} of {world_size}" in r["reason"], (rank, r["reason"])
+        after = r["after"]
+        assert (after["mismatches"], after["reference_calls"]) == ([], cfg["reference_calls"]), (rank, after)
+        assert r["plain_exact"], rank
+    first_s = {r: round(res["after"]["first_call_s"], 2) for r, res in out["results"].items()}
+    p2p_suite.log(0, f"{transport} P={world_size} on_fault='reference': first reference call after the error "
+                     f"(s, per rank): {first_s}")
     _check_exits(out, range(world_size))
 
 
@@ -392,3 +463,110 @@ def test_resumed_rank_returns_no_wrong_result(transport, world_size):
     staged put and signal kernels, HostTransport), so the late rank times out instead."""
     out = _outcome(transport, world_size, "resume")
     assert {r: out["results"][r]["mismatches"] for r in range(world_size)} == {r: [] for r in range(world_size)}
+
+
+# ------------------------------------------------------------------------------------------------------
+# The setting on its own: on_fault (host transport, two CPU ranks)
+# ------------------------------------------------------------------------------------------------------
+
+kSwitchCall = 3  # the call at which rank 1 arrives late
+
+
+def _on_fault_body(rank, world_size, cfg):
+    """Rank 1 sleeps past the timeout before call ``kSwitchCall``: rank 0 times out waiting for it, and rank 1,
+    which then waits for flags rank 0 no longer publishes, too. What each rank's buffer does next."""
+    import logging
+
+    from echo_ds import collective
+    from echo_ds.p2p import EchoBuffer, EchoP2PError
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("echo_ds.p2p").addHandler(handler)
+    device = torch.device("cpu")
+    buf = EchoBuffer(max_numel=1 << 16, timeout_s=cfg["timeout_s"], transport="host", on_fault=cfg["on_fault"])
+    assert buf.active, buf.reason
+    name = collective.group_name(None)
+    out = {"registered_before": collective.backend_for(name) is buf, "first": None, "mismatches": []}
+    mix = _P2PMix(world_size, rank, device, (127, 1000), 1000, seed=5)
+
+    def reduce(x, spec, comp, pow2):
+        return buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)
+
+    for call in range(kSwitchCall + 1):
+        if call == kSwitchCall and rank == 1:
+            time.sleep(1.5 * cfg["timeout_s"])
+        try:
+            y, expected = mix.run(reduce, call, check=True)
+            buf.synchronize()
+        except EchoP2PError as e:
+            out["first"] = (call, type(e).__name__, str(e))
+            break
+        if not p2p_suite.same_bits(y, expected):
+            out["mismatches"].append(call)
+    out["raised_again"] = []
+    for what in (buf.check, buf.synchronize):
+        try:
+            what()
+        except EchoP2PError as e:
+            out["raised_again"].append(type(e).__name__)
+    out["active"], out["reason"] = buf.active, buf.reason
+    out["registered_after"] = collective.backend_for(name) is buf
+    out["switch_warnings"] = [w for w in warnings if "moved the group to the reference path" in w]
+    x, spec = p2p_suite.parts_for(world_size, 1000, torch.float32, 77, device)[rank], p2p_suite.MIX_CONFIGS[0][0]
+    if cfg["on_fault"] == "reference":
+        out["after"] = _reference_calls(world_size, rank, device, {**cfg, "sizes": (127, 1000), "comp_numel": 1000},
+                                        buf=buf)
+        out["plain_exact"] = _plain_sum_is_exact(buf, world_size, rank, device)
+        buf.close()  # collective: both ranks are here
+    else:
+        try:
+            buf.all_reduce(x, spec)
+            out["later_call"] = "returned"
+        except EchoP2PError as e:
+            out["later_call"] = type(e).__name__
+        buf.close(abort=True)
+    return out
+
+
+def test_on_fault_is_validated():
+    from echo_ds.config import ON_FAULT, EchoConfig, EchoConfigError
+    from echo_ds.p2p import EchoBuffer
+    from echo_ds.p2p.buffer import kOnFault
+
+    for bad in ("ignore", "Reference", None, True):
+        with pytest.raises(ValueError, match=r"on_fault=.* must be one of 'raise', 'reference'"):
+            EchoBuffer(on_fault=bad)  # refused before any collective: no process group needed
+    assert kOnFault == ON_FAULT == ("raise", "reference")
+    assert EchoConfig().on_fault == "raise" and EchoConfig(on_fault="reference").on_fault == "reference"
+    with pytest.raises(EchoConfigError, match=r"echo.on_fault='ignore': .*'raise' or 'reference'"):
+        EchoConfig(on_fault="ignore")
+
+
+@pytest.mark.parametrize("on_fault", ["reference", "raise"])
+def test_on_fault_after_the_first_error(on_fault):
+    """"reference": the first failed wait raises once on each rank, then the same buffer is off (active
+    false, the reason naming the failure, its custom-op registration dropped, one warning), check() and
+    synchronize() raise no more, and its calls are reference calls, bit-identical to the emulator. "raise"
+    (the default): every later check, synchronize and call raises the named error again."""
+    from utils import run_distributed
+
+    cfg = {"timeout_s": 1.0, "on_fault": on_fault, "reference_calls": 4}
+    results = run_distributed(_on_fault_body, 2, cfg, timeout=120)
+    for rank, r in enumerate(results):
+        call, kind, message = r["first"]
+        assert (call, kind) == (kSwitchCall, "EchoP2PTimeout") and f"rank {rank} of 2" in message, (rank, r["first"])
+        assert r["mismatches"] == [] and r["registered_before"], (rank, r)
+        if on_fault == "reference":
+            assert r["raised_again"] == [] and r["active"] is False and not r["registered_after"], (rank, r)
+            named = f"EchoP2PTimeout: rank {rank} of 2 timed out waiting for rank {1 - rank}"
+            assert r["reason"].startswith("a failed wait moved the group to the reference path") \
+                and named in r["reason"], r["reason"]
+            assert len(r["switch_warnings"]) == 1, (rank, r["switch_warnings"])
+            assert (r["after"]["mismatches"], r["after"]["reference_calls"]) == ([], cfg["reference_calls"]), r
+            assert r["plain_exact"], rank
+        else:
+            assert r["raised_again"] == ["EchoP2PTimeout", "EchoP2PTimeout"], (rank, r["raised_again"])
+            assert r["active"] is True and r["registered_after"] and r["switch_warnings"] == [], (rank, r)
+            assert r["later_call"] == "EchoP2PTimeout", (rank, r["later_call"])

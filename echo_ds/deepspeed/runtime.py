@@ -206,7 +206,7 @@ class EchoRuntime:
             # checks the hosts and peer writes itself and, where they fail, says why once and stays off.
             from echo_ds.p2p import EchoBuffer
 
-            self.buffer = EchoBuffer(group, device=self.device)
+            self.buffer = EchoBuffer(group, device=self.device, on_fault=config.on_fault)
             if not self.buffer.active:
                 self.backend, self.backend_reason = "reference", self.buffer.reason
                 self.buffer.close()
@@ -383,7 +383,9 @@ class EchoRuntime:
         # The call's kind, for the ranks' agreement: a forward that no backward will follow (eval, no_grad,
         # inference) is "eval", so a rank evaluating while its peer trains is stopped at the first call.
         kind = site.direction if site.direction == BACKWARD or self._training_pass else "eval"
-        if self.buffer is not None:
+        # A buffer that a fault moved to the reference path (echo.on_fault "reference") is no longer active:
+        # its calls are the reference's, made here so that a mismatch gets the sites' names.
+        if self.buffer is not None and self.buffer.active:
             if self._p2p_staged(x):  # no descriptor in the staged pipeline's flags: the site's code instead
                 x = self._gated(x, site, kind, bits)
             # Asynchronous on the current stream: every read of x is ordered before later work on it.

@@ -78,6 +78,7 @@ kDefaultMaxNumel = 1 << 26  # 64 Mi elements: a 128 MiB bf16 activation, 256 MiB
 kDefaultOneLaunchMaxBytes = 16 << 20
 kScheduleCacheSize = 32
 kStreams = ("push", "reduce", "gather", "tail")
+kOnFault = ("raise", "reference")  # EchoBuffer's on_fault
 
 _live_buffers: "weakref.WeakSet[EchoBuffer]" = weakref.WeakSet()
 
@@ -133,14 +134,41 @@ class EchoBuffer:
         "fused" (the one-launch kernel at every size, with a warning where it cannot run), "kernels" (the
         staged kernels, with a warning where they cannot), or "torch" (the staged pipeline through torch).
     one_launch_max_bytes: see ``stages="auto"`` (default kDefaultOneLaunchMaxBytes, 16 MiB).
+    on_fault: what follows a failed wait (a peer stopped, killed, or further behind than ``timeout_s``; ranks
+        that called with different arguments). ``"raise"`` (default): the call, ``check()`` or
+        ``synchronize()`` that finds it raises EchoP2PTimeout / EchoP2PMismatch, and so does every later
+        one; the buffer is only good for ``close()``. ``"reference"``: that first one raises the same
+        error, once, after moving the group to the reference path without any collective (a stopped peer
+        would hold one): the waits are aborted, the group's custom-op registration dropped, the one-launch
+        call retired, ``active`` false and ``reason`` naming the failure, one warning logged. From then on
+        ``all_reduce`` is ``echo_all_reduce`` over the process group and ``plain_all_reduce`` is
+        ``torch.distributed.all_reduce``; ``check()`` and ``synchronize()`` no longer raise that failure;
+        the peers' mappings and this rank's memory stay until ``close()`` (a collective, as always) or
+        interpreter exit, since freeing memory a peer still maps is undefined. What the caller must know:
+
+        * the call that raised, and every earlier call of this rank whose result was not checked yet (the
+          calls are asynchronous), returned undefined results; a compensator those calls updated holds an
+          undefined state: ``Compensator.reset()`` it (the averages restart from zero) or replace it;
+        * every rank must resume at the same call (redo the step, or skip it, on every rank): the reference
+          path's descriptor check refuses calls that differ in their arguments, but cannot tell two
+          identical calls of different steps apart;
+        * each reference call waits for its peers at most the reference's own timeout (ECHO_P2P_TIMEOUT_S,
+          default 5 s, per stage), the first one included: a peer that comes back later than that, or not
+          at all (killed), fails it with EchoTimeout / EchoPeerError and the group is unusable;
+        * CUDA graphs captured before the fault still replay the one-launch kernel, whose waits now give up
+          at once and which ``check()`` no longer reports: capture them again.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, max_numel: int = kDefaultMaxNumel,
                  tile_bytes: int = kDefaultTileBytes, timeout_s: Optional[float] = None,
                  device: Optional[torch.device] = None, transport: str = "cuda", stages: str = "auto",
-                 min_group_size: int = 16, one_launch_max_bytes: int = kDefaultOneLaunchMaxBytes):
+                 min_group_size: int = 16, one_launch_max_bytes: int = kDefaultOneLaunchMaxBytes,
+                 on_fault: str = "raise"):
         if stages not in ("auto", "fused", "kernels", "torch"):
             raise ValueError(f"stages={stages!r} must be 'auto', 'fused', 'kernels' or 'torch'")
+        if on_fault not in kOnFault:
+            raise ValueError(f"on_fault={on_fault!r} must be one of {', '.join(map(repr, kOnFault))}")
+        self.on_fault = on_fault
         self.stages = stages
         if isinstance(one_launch_max_bytes, bool) or not isinstance(one_launch_max_bytes, int) or one_launch_max_bytes < 0:
             raise ValueError(f"one_launch_max_bytes={one_launch_max_bytes!r} must be a non-negative int")
@@ -158,6 +186,8 @@ class EchoBuffer:
         self.closed = False
         self._schedules: "OrderedDict[object, Schedule]" = OrderedDict()
         self._runtime = None  # echo_ds.ops' P2PRuntime: the one-launch call
+        self._retired_runtime = None  # the runtime after on_fault="reference" retired it: close() frees it
+        self._on_reference = False  # on_fault="reference" moved the group to the reference path
         self._decisions = {}  # call-policy key -> Decision (a pure function of the key)
         self._plans = {}  # a call's key -> the one-launch call's arguments (see all_reduce)
         self._range_seen = (0, 0)  # the kernels' range counters as last folded (_note_range)
@@ -392,12 +422,15 @@ class EchoBuffer:
         with different arguments) if any wait of this group has failed so far (no synchronisation)."""
         if self.closed:
             raise proto.EchoP2PError("echo p2p: the EchoBuffer is closed")
-        if self.transport is None:
+        if self.transport is None or self._on_reference:  # on_fault="reference": reported once, at the move
             return
         f = self.transport.failure()
         if f is not None:
             msg = proto.describe_failure(f, self.timeout_s, self.world_size)
-            raise (proto.EchoP2PMismatch if f.code == proto.kErrorMismatch else proto.EchoP2PTimeout)(msg)
+            error = (proto.EchoP2PMismatch if f.code == proto.kErrorMismatch else proto.EchoP2PTimeout)(msg)
+            if self.on_fault == "reference":
+                self._move_to_reference(f, type(error).__name__)
+            raise error
 
     def synchronize(self) -> None:
         """Wait for every call issued so far (bounded: waits give up after the timeout), then check()."""
@@ -715,6 +748,33 @@ class EchoBuffer:
     # Teardown
     # ------------------------------------------------------------------------------------------------
 
+    def _move_to_reference(self, f: proto.WaitFailure, error: str) -> None:
+        """on_fault="reference", at the first failed wait ``f`` (raised as ``error``): every later call of this
+        rank takes the reference path, at once and without any collective (a stopped peer would hold it;
+        every rank gets here through its own failed wait).
+
+        The peers' mappings and this rank's memory stay until close() or interpreter exit: a peer may still
+        map them, and freeing exported memory that a peer maps is undefined (see close)."""
+        if f.code == proto.kErrorMismatch:
+            failure = f"rank {f.rank} and rank {f.peer} made call {f.call_index} with different arguments"
+        else:
+            failure = (f"rank {f.rank} of {self.world_size} "
+                       f"{'abandoned its wait' if f.code == proto.kErrorAborted else 'timed out waiting'} for rank "
+                       f"{f.peer} at stage {proto.WAIT_STAGE_NAMES.get(f.stage, f.stage)}, call {f.call_index}")
+        self._on_reference = True
+        self.transport.abort()  # every wait of a call still in flight gives up at once
+        if self._backend_name is not None:  # the group's Echo calls (the custom op) go to the reference
+            collective.drop_backend(self._backend_name, self)
+            self._backend_name = None
+        # The one-launch fast path tests _runtime first; the runtime itself stays alive for close().
+        self._retired_runtime, self._runtime = self._runtime, None
+        self._plans.clear()
+        self.active = False
+        self.reason = f"a failed wait moved the group to the reference path (on_fault='reference'): {error}: {failure}"
+        logger.warning("echo p2p: rank %d of %d: %s; the calls that raised or were not checked yet returned "
+                       "undefined results: every rank must resume at the same call, with reset compensators",
+                       self.rank, self.world_size, self.reason)
+
     def close(self, *, abort: bool = False, barrier: bool = True) -> None:
         """Free everything. Idempotent.
 
@@ -745,9 +805,10 @@ class EchoBuffer:
                 self._note_range(transport=t)  # the last calls' range events
         finally:
             t.abort()
-            if self._runtime is not None:
-                self._runtime.close()  # its control block (no call is in flight any more)
-                self._runtime = None
+            runtime = self._runtime if self._runtime is not None else self._retired_runtime
+            self._runtime = self._retired_runtime = None
+            if runtime is not None:
+                runtime.close()  # its control block (no call is in flight any more)
             try:
                 t.close_peers()
                 if barrier and dist.is_initialized():
