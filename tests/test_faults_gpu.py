@@ -8,10 +8,7 @@ parent gives each rank that has sent its last report ``kExitS`` seconds to be go
 
 Runs, on the GPU (CUDA transport, P = 2 and 4 ranks sharing one device; skipped without CUDA) and on the
 CPU (host transport, P = 2, and P = 4 with ECHO_SLOW_TESTS=1: the same bodies and harness, so that they run
-where no GPU is). Rank P - 1 is the one lost; the others are the survivors. On the host transport the mix's
-calls without rescaling run with pow2_rescale "auto" instead (``_P2PMix``): EchoBuffer sends a call with
-False to the reference path where no one-launch kernel counts range events, as on the host, and these runs
-are about the p2p transport's waits; the emulator gets the same "auto".
+where no GPU is). Rank P - 1 is the one lost; the others are the survivors.
 
 * kill: once every rank has made ``fault_after`` calls, the parent SIGKILLs rank P - 1. Every survivor raises
   EchoP2PTimeout naming itself and the lost rank within ``timeout_s + kSlackS`` of the signal. Then, as a
@@ -78,14 +75,6 @@ SETUPS = [pytest.param("host", 2, id="host-P2"), pytest.param("host", 4, marks=S
 # ------------------------------------------------------------------------------------------------------
 # Inside a rank
 # ------------------------------------------------------------------------------------------------------
-
-class _P2PMix(p2p_suite.MixedCalls):
-    """MixedCalls whose every call takes the host transport's p2p path: pow2_rescale=False becomes "auto"."""
-
-    def config(self, call):
-        ci, spec, residual, pow2, dtype, n = super().config(call)
-        return ci, spec, residual, "auto" if pow2 is False else pow2, dtype, n
-
 
 def _device(rank, cfg) -> torch.device:
     if cfg["transport"] != "cuda":
@@ -182,8 +171,7 @@ def _faulted_rank(rank, world_size, cfg, report, shared):
     on_fault = "reference" if cfg["then"] == "on_fault" else "raise"
     buf = EchoBuffer(max_numel=kMaxNumel, timeout_s=cfg["timeout_s"], transport=cfg["transport"], on_fault=on_fault)
     assert buf.active, buf.reason
-    mixed = _P2PMix if cfg["transport"] == "host" else p2p_suite.MixedCalls
-    mix = mixed(world_size, rank, device, cfg["sizes"], cfg["comp_numel"], seed=11)
+    mix = p2p_suite.MixedCalls(world_size, rank, device, cfg["sizes"], cfg["comp_numel"], seed=11)
     failure, mismatches = _calls_until_failure(buf, mix, rank, cfg, shared)
     report("raised", failure)
     out = {"failure": failure, "mismatches": mismatches, "after": None}
@@ -489,7 +477,7 @@ def _on_fault_body(rank, world_size, cfg):
     assert buf.active, buf.reason
     name = collective.group_name(None)
     out = {"registered_before": collective.backend_for(name) is buf, "first": None, "mismatches": []}
-    mix = _P2PMix(world_size, rank, device, (127, 1000), 1000, seed=5)
+    mix = p2p_suite.MixedCalls(world_size, rank, device, (127, 1000), 1000, seed=5)
 
     def reduce(x, spec, comp, pow2):
         return buf.all_reduce(x, spec, compensator=comp, pow2_rescale=pow2)

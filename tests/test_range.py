@@ -251,20 +251,26 @@ GPU_RANGE_CASES = (("in range", 1.0, None, (0, 0)), ("clipped", 1e7, None, (1, 0
                    ("underflow", 1e-9, None, (0, 1)), ("one tiny rank", 1.0, 0, (0, 0)))
 
 
-def _kernel_range_counts(rank, world_size):
-    """Every case through the one-launch kernel with pow2_rescale=False: the counts the kernel reported per
-    call (after synchronize), the results against the emulator, the warnings."""
+def _p2p_range_counts(rank, world_size, transport="cuda"):
+    """Every case through the p2p backend with pow2_rescale=False: the counts reported per call (after
+    synchronize), the results against the emulator, the warnings. "cuda": the one-launch kernel; "host": the
+    torch stages (3000 elements; the 40,000-element calls do not fit the staged pipeline's workspace and take
+    the reference path)."""
     from echo_ds import algorithm
     from echo_ds import log as echo_log
     from echo_ds.p2p import EchoBuffer
     import p2p_suite
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device())
+    if transport == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     handler = _Captured()
     echo_log.logger.addHandler(handler)
     # max_numel: the 40,000-element calls run in several chunks (one launch each), counted once per call.
-    buf = EchoBuffer(max_numel=1 << 14, timeout_s=20.0, stages="fused")
+    buf = EchoBuffer(max_numel=1 << 14, timeout_s=20.0, stages="fused" if transport == "cuda" else "auto",
+                     transport=transport)
     assert buf.active, buf.reason
     out = []
     for spec in ALL_SPECS:
@@ -292,8 +298,17 @@ def test_kernel_counts_range_events_as_the_reference(world_size):
     """pow2_rescale=False on the one-launch kernel: every call whose groups the format could not express is
     counted and warned about, as the reference counts and warns (per rank, what it quantized), one count per
     call however many chunks it takes; the numerics are unchanged (bit-identical to the emulator)."""
+    _check_p2p_range_counts(run_distributed(_p2p_range_counts, world_size, timeout=300))
+
+
+def test_torch_stages_count_range_events_as_the_reference():
+    """The same on the host transport (the torch stages, which the staged kernels' fallback also runs)."""
+    _check_p2p_range_counts(run_distributed(_p2p_range_counts, 2, "host", timeout=120))
+
+
+def _check_p2p_range_counts(results):
     expected = {name: counts for name, _, _, counts in GPU_RANGE_CASES}
-    for rank, (calls, warned) in enumerate(run_distributed(_kernel_range_counts, world_size, timeout=300)):
+    for rank, (calls, warned) in enumerate(results):
         for spec, n, name, counts, same in calls:
             assert same, (rank, spec, n, name)
             assert counts == expected[name], (rank, spec, n, name, counts)

@@ -530,12 +530,13 @@ class EchoBuffer:
                     self._plans.clear()
                 self._plans[key] = plan
                 return self._one_launch(x, plan, compensator)
-        if pow2_rescale is False:
-            # NOTE: the staged pipeline does not check what the format can express; the reference does (the
-            # choice is the same on every rank: the runtime exists on all or none, the kernel's support is
-            # a function of the call's arguments).
-            _warn_once("pow2_rescale=False runs on the one-launch kernel or the reference path, which count "
-                       "messages the format cannot express; this call's kernel is not available", self.rank)
+        if pow2_rescale is False and self._stages_for(x, spec) == "kernels":
+            # NOTE: the staged kernels do not check what the format can express; the one launch, the torch
+            # stages and the reference do (the choice is the same on every rank: the runtime exists on all or
+            # none, the kernels' support is a function of the call's arguments).
+            _warn_once("pow2_rescale=False runs on the one-launch kernel, the torch stages or the reference path, "
+                       "which count messages the format cannot express; the staged kernels do not, and this "
+                       "call's one-launch kernel is not available", self.rank)
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
                                    site=site, direction=direction)
         if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
