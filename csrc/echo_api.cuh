@@ -253,9 +253,11 @@ struct P2PControl {
   int32_t pow2_k;  // the call's pow2 exponent, left by its first chunk's launch for the next ones
   uint32_t range_clipped;
   unsigned long long range_key;
-  uint32_t reserved[6];
+  unsigned long long failure;  // the first failure: (epoch << 32) | code (p2p_all_reduce.cuh, rank_failed)
+  uint32_t reserved[4];
 };
-static_assert(sizeof(P2PControl) == 64 && offsetof(P2PControl, range_key) == 32, "P2PControl layout");
+static_assert(sizeof(P2PControl) == 64 && offsetof(P2PControl, range_key) == 32 && offsetof(P2PControl, failure) == 40,
+              "P2PControl layout");
 
 // Written by the device into mapped host memory (echo_ds/p2p/layout.py ErrorRecord: the same 64 bytes
 // as the staged transport's record). The first failing wait fills it; `code` is written last. The range

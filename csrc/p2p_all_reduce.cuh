@@ -62,7 +62,9 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // epochs (timeout, abort) or the two descriptors (mismatch).
 __device__ __forceinline__ void record_failure(const P2PAllReduceArgs& a, uint32_t code, int peer, uint32_t stage,
                                                uint64_t expected, uint64_t seen, uint64_t waited_ns) {
-  if (atomicCAS(&a.control->poisoned, 0u, 1u) != 0u) return;  // a failure is already recorded
+  const unsigned long long failure = ((expected >> 32) << 32) | code;  // the epoch waited for, the code
+  if (atomicCAS(&a.control->failure, 0ull, failure) != 0ull) return;  // a failure is already recorded
+  *reinterpret_cast<volatile uint32_t*>(&a.control->poisoned) = 1u;
   const bool mismatch = code == kP2PErrorMismatch;
   volatile P2PErrorRecord* e = a.error;
   e->rank = static_cast<uint32_t>(a.rank);
@@ -187,12 +189,17 @@ __device__ __forceinline__ void count_range(const P2PAllReduceArgs& a) {
 #endif
 constexpr bool kSignalFence = ECHO_P2P_SIGNAL_FENCE != 0;
 
-// Whether a wait of this rank failed, in this call or an earlier one (record_failure poisoned the control
-// block). Such a rank publishes no flag: what it would vouch for was computed from data it never received,
-// and a peer that arrives late (stopped, then resumed) must time out on it rather than take it as the
-// call's (a silent wrong result). Every later call of the rank fails at once anyway.
-__device__ __forceinline__ bool rank_failed(const P2PAllReduceArgs& a) {
-  return *reinterpret_cast<volatile uint32_t*>(&a.control->poisoned) != 0;
+// Whether a wait of this rank failed in a way that forbids publishing a flag of `tag`'s call: a timeout or an
+// abort, in this call or an earlier one; a mismatch in an earlier one. Such a rank publishes no flag: what it
+// would vouch for was computed from data it never received, and a peer that arrives late (stopped, then
+// resumed) must time out on it rather than take it as the call's (a silent wrong result). A mismatch in
+// this very call does not forbid it: the flag carries this rank's descriptor, so every peer that waits for
+// it, having made the other call, names the mismatch too instead of timing out (and a peer that made the
+// same call as this rank waits for the mismatching rank as well and fails there). Every later call of the
+// rank fails at once anyway.
+__device__ __forceinline__ bool rank_failed(const P2PAllReduceArgs& a, uint64_t tag) {
+  const unsigned long long f = *reinterpret_cast<volatile unsigned long long*>(&a.control->failure);
+  return f != 0ull && !((f & 0xffffffffull) == kP2PErrorMismatch && (f >> 32) == (tag >> 32));
 }
 
 // After the block's data writes: thread t < P, t != rank, publishes flags[t]->field[rank][block] = tag,
@@ -203,7 +210,7 @@ template <int kWorld, bool kGather>
 __device__ __forceinline__ void signal_peers(const P2PAllReduceArgs& a, uint64_t tag) {
   __syncthreads();
   const int t = static_cast<int>(threadIdx.x);
-  if (t < kWorld && t != a.rank && !rank_failed(a)) {
+  if (t < kWorld && t != a.rank && !rank_failed(a, tag)) {
     if constexpr (kSignalFence) __threadfence_system();
     P2PFlags* f = a.flags[t];
     st_release_sys(kGather ? &f->gather[a.rank][blockIdx.x] : &f->push[a.rank][blockIdx.x], tag);
@@ -271,7 +278,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
         warp_max[0] = atomicExch(&control->amax_bits, 0u);  // every block's max is in; 0 for the next call
       }
       __syncthreads();
-      if (t < kWorld && !rank_failed(a)) {
+      if (t < kWorld && !rank_failed(a, tag)) {
         a.flags[t]->amax[me] = __uint_as_float(warp_max[0]);
         __threadfence_system();
         st_release_sys(&a.flags[t]->amax_flag[me], tag);
