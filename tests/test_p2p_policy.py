@@ -78,3 +78,10 @@ def test_every_configurable_state_dtype_is_held_by_the_p2p_kernels():
     assert policy.state_dtype_decision({"forward": "bf16", "backward": "int4"})
     d = policy.state_dtype_decision({"forward": "bf16", "backward": "fp8"})
     assert not d and 'echo.backward.state_dtype="fp8"' in d.reason and "forward" not in d.reason
+
+
+def test_one_launch_takes_every_size_where_each_rank_has_its_own_gpu():
+    """The staged pipeline serves large messages only where ranks share a GPU (the co-resident grid's rig)."""
+    assert policy.one_launch_max_bytes(1) >= 1 << 40
+    for sharing in (2, 4, 8):
+        assert policy.one_launch_max_bytes(sharing) == policy.kSharedGpuOneLaunchMaxBytes == 16 << 20

@@ -22,8 +22,9 @@ once the owners' flags arrive; the compensator's state is read and written in th
 rescaling (True, or "auto") takes its max inside the launch. The host issues one binding call; flags,
 epochs and pointer tables live in device memory, so the call replays from a CUDA graph like any kernel.
 
-The staged pipeline (stages="kernels" or "torch"; under "auto", calls above one_launch_max_bytes and the
-fallback where the one-launch kernel does not support the call): the caller's stream
+The staged pipeline (stages="kernels" or "torch"; under "auto", calls above one_launch_max_bytes, which the
+policy sets to 16 MiB where ranks share a GPU and leaves unlimited where each has its own, and the fallback
+where the one-launch kernel does not support the call): the caller's stream
 raises the device-resident flag base and records a start event; the push stream forms x' (compensation,
 rotation, the pow2 max exchange) and puts the codes of each tile into its owner's buffer, publishing a
 flag per tile; the reduce stream waits for a tile's flags, reduces and requantizes it into every peer's
@@ -70,12 +71,6 @@ logger = logging.getLogger("echo_ds.p2p")
 # sequence moves out of Python, where smaller tiles overlap the transfers with the quantisation.
 kDefaultTileBytes = 16 * 1024 * 1024
 kDefaultMaxNumel = 1 << 26  # 64 Mi elements: a 128 MiB bf16 activation, 256 MiB in fp32
-# Largest message of the one-launch call under stages="auto"; larger ones run the staged pipeline. From the
-# H200 run of 2026-12-04 (benchmarks/RESULTS.md, "One launch per call"; ranks sharing one GPU, bf16, 4-bit):
-# eager calls, which DeepSpeed training makes, are faster in one launch up to 16 MiB at P = 4 (328 us
-# against 620 us) and 64 MiB at P = 2; at 64 MiB and P = 4 the staged pipeline wins (754 us against
-# 1192 us), because ranks sharing a GPU cap the one-launch grid at a fraction of the SMs.
-kDefaultOneLaunchMaxBytes = 16 << 20
 kScheduleCacheSize = 32
 kStreams = ("push", "reduce", "gather", "tail")
 kOnFault = ("raise", "reference")  # EchoBuffer's on_fault
@@ -133,7 +128,8 @@ class EchoBuffer:
         where it supports the call, else the staged kernels of echo_ds.ops where they do, else torch),
         "fused" (the one-launch kernel at every size, with a warning where it cannot run), "kernels" (the
         staged kernels, with a warning where they cannot), or "torch" (the staged pipeline through torch).
-    one_launch_max_bytes: see ``stages="auto"`` (default kDefaultOneLaunchMaxBytes, 16 MiB).
+    one_launch_max_bytes: see ``stages="auto"``; None (default): the policy's (echo_ds.p2p.policy.
+        one_launch_max_bytes): every size where each rank has a GPU of its own, 16 MiB where ranks share one.
     on_fault: what follows a failed wait (a peer stopped, killed, or further behind than ``timeout_s``; ranks
         that called with different arguments). ``"raise"`` (default): the call, ``check()`` or
         ``synchronize()`` that finds it raises EchoP2PTimeout / EchoP2PMismatch, and so does every later
@@ -162,7 +158,7 @@ class EchoBuffer:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, max_numel: int = kDefaultMaxNumel,
                  tile_bytes: int = kDefaultTileBytes, timeout_s: Optional[float] = None,
                  device: Optional[torch.device] = None, transport: str = "cuda", stages: str = "auto",
-                 min_group_size: int = 16, one_launch_max_bytes: int = kDefaultOneLaunchMaxBytes,
+                 min_group_size: int = 16, one_launch_max_bytes: Optional[int] = None,
                  on_fault: str = "raise"):
         if stages not in ("auto", "fused", "kernels", "torch"):
             raise ValueError(f"stages={stages!r} must be 'auto', 'fused', 'kernels' or 'torch'")
@@ -170,9 +166,13 @@ class EchoBuffer:
             raise ValueError(f"on_fault={on_fault!r} must be one of {', '.join(map(repr, kOnFault))}")
         self.on_fault = on_fault
         self.stages = stages
-        if isinstance(one_launch_max_bytes, bool) or not isinstance(one_launch_max_bytes, int) or one_launch_max_bytes < 0:
-            raise ValueError(f"one_launch_max_bytes={one_launch_max_bytes!r} must be a non-negative int")
-        self.one_launch_max_bytes = (1 << 62) if stages == "fused" else one_launch_max_bytes
+        if one_launch_max_bytes is not None and (isinstance(one_launch_max_bytes, bool) or
+                                                 not isinstance(one_launch_max_bytes, int) or one_launch_max_bytes < 0):
+            raise ValueError(f"one_launch_max_bytes={one_launch_max_bytes!r} must be None or a non-negative int")
+        # Until the handshake knows how many ranks share a GPU (_init_runtime), the shared GPU's limit.
+        self._one_launch_max_bytes = one_launch_max_bytes
+        self.one_launch_max_bytes = ((1 << 62) if stages == "fused" else one_launch_max_bytes
+                                     if one_launch_max_bytes is not None else policy.kSharedGpuOneLaunchMaxBytes)
         self._ops = None
         self.group = group
         self.rank = dist.get_rank(group)
@@ -282,6 +282,10 @@ class EchoBuffer:
         """
         ok, cap, why = False, 0, ""
         sharing = sum(1 for e in everyone if e["uuid"] == uuid)
+        if self.stages == "auto" and self._one_launch_max_bytes is None:
+            # the group's most ranks on one device: the same on every rank, so all take the same path
+            most = max(sum(1 for f in everyone if f["uuid"] == e["uuid"]) for e in everyone)
+            self.one_launch_max_bytes = policy.one_launch_max_bytes(most)
         if self.stages not in ("auto", "fused"):
             why = f"stages={self.stages!r}"
         elif self.world_size not in KERNEL_WORLD_SIZES:

@@ -131,6 +131,29 @@ def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_si
     return YES
 
 
+# Largest message of the one-launch call under stages="auto" where ranks share a GPU (the test rig); larger
+# ones take the staged pipeline. From the H200 run of 2026-12-04 and the H100 floor table of 2026-12-06
+# (benchmarks/RESULTS.md, "One launch per call", "Floor and projection"): on a shared GPU co-residency caps
+# each rank's grid at a fraction of the SMs (66 blocks at P = 2, 33 at P = 4), and from 64 MiB up the staged
+# kernels, on the whole GPU, are about twice as fast under graph replay despite 300-3700 us of host time
+# per call.
+kSharedGpuOneLaunchMaxBytes = 16 << 20
+
+
+def one_launch_max_bytes(ranks_per_device: int) -> int:
+    """The largest message of the one-launch call under stages="auto" (larger ones: the staged pipeline).
+
+    ranks_per_device: the most ranks of the group on one GPU (the same for every rank of the group, so that
+        all take the same path). 1, the deployment (a GPU per rank): every size, chunk by chunk beyond the
+        workspace. There each rank's grid is its whole GPU's (2 blocks per SM), and the staged pipeline's
+        host time (300-800 us per call from 64 MiB, measured on the shared GPU, where it does not depend on
+        the grid) would exceed NCCL's 16-bit all-reduce of the same message on eight H100s (about 320 us).
+        Not measured on separate GPUs (none was available): a prediction, which the first multi-GPU run of
+        benchmarks/bench_p2p.py (--stages fused,kernels) should check.
+    """
+    return kSharedGpuOneLaunchMaxBytes if ranks_per_device > 1 else 1 << 62
+
+
 def p2p_transport_status(device_type: str, world_size: int, *, same_host: bool = True, peer_access: bool = True,
                          kernels_built: bool = True, kernels_error: str = "") -> tuple:
     """``(available, why_not)`` in the shape of echo_ds.deepspeed.policy.p2p_transport_status."""
