@@ -300,6 +300,10 @@ struct P2PAllReduceArgs {
   P2PFlags* flags[kMaxWorldSize];  // every rank's flag area, as this process maps it
   P2PControl* control;
   P2PErrorRecord* error;  // device address of the mapped record
+  // The staged transport's poison word (echo_p2p.h, EchoP2PControl::poisoned), or null: set at this rank's
+  // first failure too, so that staged calls issued behind a failed launch (the descriptor gate in front of
+  // every staged call, echo_ds/p2p/buffer.py) publish no flag and wait for none.
+  uint32_t* staged_poisoned;
   uint64_t timeout_ns;
   int32_t num_blocks;
   uint32_t descriptor;  // this call's (see P2PFlags)

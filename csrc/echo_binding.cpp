@@ -342,12 +342,13 @@ void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor&
 // maps it, this rank's control block, the error record; one all_reduce call is one binding call and one
 // launch (the pow2 max is taken inside it), one launch per chunk where the message is larger than the
 // workspace. EchoBuffer (echo_ds/p2p/buffer.py) does the handshake and owns the memory the addresses point
-// to; this object owns only its control block.
+// to; this object owns only its control block. staged_poisoned: the staged transport's poison word (0:
+// none), which this rank's first failure sets too (echo_api.cuh, P2PAllReduceArgs).
 class P2PRuntime {
  public:
   P2PRuntime(int64_t rank, int64_t world_size, const std::vector<int64_t>& codes, const std::vector<int64_t>& params,
              const std::vector<int64_t>& flags, int64_t code_half_bytes, int64_t param_half_bytes,
-             int64_t error_record, int64_t timeout_ns, int64_t max_blocks)
+             int64_t error_record, int64_t timeout_ns, int64_t max_blocks, int64_t staged_poisoned)
       : rank_(rank), world_size_(world_size), code_half_(code_half_bytes), param_half_(param_half_bytes),
         timeout_ns_(timeout_ns) {
     TORCH_CHECK(world_size == 2 || world_size == 4 || world_size == 8,
@@ -368,6 +369,8 @@ class P2PRuntime {
     TORCH_CHECK(max_blocks >= 1 && max_blocks <= echo::kP2PMaxBlocks, "P2PRuntime: max_blocks must be in [1, ",
                 echo::kP2PMaxBlocks, "], got ", max_blocks);
     error_ = reinterpret_cast<echo::P2PErrorRecord*>(error_record);
+    TORCH_CHECK(staged_poisoned % 4 == 0, "P2PRuntime: staged_poisoned must be 0 or a 4-byte aligned address");
+    staged_poisoned_ = reinterpret_cast<uint32_t*>(staged_poisoned);
     max_blocks_ = max_blocks;
     control_ = echo::p2p_alloc_control();
   }
@@ -477,6 +480,7 @@ class P2PRuntime {
     }
     a.control = control_;
     a.error = error_;
+    a.staged_poisoned = staged_poisoned_;
     a.timeout_ns = static_cast<uint64_t>(timeout_ns_);
     const int64_t per_block = 4096 / a.layout.group_size;  // groups of one block item (256 threads, g / 16 lanes a group)
     const int64_t wanted = (chunk_groups + per_block - 1) / per_block;
@@ -495,6 +499,7 @@ class P2PRuntime {
   uint8_t* params_[echo::kMaxWorldSize] = {};
   echo::P2PFlags* flags_[echo::kMaxWorldSize] = {};
   echo::P2PErrorRecord* error_ = nullptr;
+  uint32_t* staged_poisoned_ = nullptr;
   echo::P2PControl* control_ = nullptr;
 };
 
@@ -676,10 +681,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
   py::class_<P2PRuntime>(m, "P2PRuntime")
       .def(py::init<int64_t, int64_t, const std::vector<int64_t>&, const std::vector<int64_t>&,
-                    const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t, int64_t>(),
+                    const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("rank"), py::arg("world_size"), py::arg("codes"), py::arg("params"), py::arg("flags"),
            py::arg("code_half_bytes"), py::arg("param_half_bytes"), py::arg("error_record"), py::arg("timeout_ns"),
-           py::arg("max_blocks"))
+           py::arg("max_blocks"), py::arg("staged_poisoned") = 0)
       .def("all_reduce", &P2PRuntime::all_reduce, py::arg("x"), py::arg("y"), py::arg("m1"), py::arg("m2"),
            py::arg("exponent"), py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
            py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),

@@ -65,6 +65,7 @@ __device__ __forceinline__ void record_failure(const P2PAllReduceArgs& a, uint32
   const unsigned long long failure = ((expected >> 32) << 32) | code;  // the epoch waited for, the code
   if (atomicCAS(&a.control->failure, 0ull, failure) != 0ull) return;  // a failure is already recorded
   *reinterpret_cast<volatile uint32_t*>(&a.control->poisoned) = 1u;
+  if (a.staged_poisoned != nullptr) atomicExch(a.staged_poisoned, 1u);
   const bool mismatch = code == kP2PErrorMismatch;
   volatile P2PErrorRecord* e = a.error;
   e->rank = static_cast<uint32_t>(a.rank);

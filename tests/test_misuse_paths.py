@@ -311,9 +311,10 @@ def host_mismatch_body(rank, world_size):
     return result, ran_on_buffer
 
 
-@pytest.mark.xfail(strict=True, reason="the staged pipeline (the host transport; on a GPU the torch and "
-                   "staged-kernel stages) carries no call descriptor: ranks that call with different bits "
-                   "return different results without an error")
+@pytest.mark.xfail(strict=True, reason="the staged pipeline carries no call descriptor, and on the host transport "
+                   "(tests only) no one-launch runtime gates it (on a GPU one does: "
+                   "test_gpu_staged_mismatch_is_named): ranks that call with different bits return different "
+                   "results without an error")
 def test_host_transport_mismatch_through_the_op_is_named():
     results = run_distributed(host_mismatch_body, 2, timeout=90)
     for rank, (result, ran_on_buffer) in enumerate(results):
@@ -371,4 +372,46 @@ def test_gpu_chunked_one_launch_mismatch_is_named(field):
     for rank, r in enumerate(results):
         assert r["call"] == 3 and r["buffer_calls"] == 3, r
         assert want in r["message"] and "different arguments" in r["message"], r
+        assert r["waited_s"] < 10.0, r
+
+
+def staged_mismatch_body(rank, world_size, how):
+    """A staged call (how "large": 9 Mi bf16 elements, above the 16 MiB hand-over of ranks sharing a GPU;
+    "kernels": stages="kernels" at 3001 elements) after two good ones; in call 3 the last rank passes 8 bits
+    where the others pass 4. Every rank must raise EchoP2PMismatch at that call (the descriptor gate in
+    front of the staged pipeline), long before the timeout."""
+    from echo_ds.p2p import EchoBuffer, EchoP2PMismatch
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    n = 9 << 20 if how == "large" else 3001
+    buf = EchoBuffer(max_numel=n, timeout_s=10.0, stages="auto" if how == "large" else "kernels")
+    assert buf.active and buf._owned_runtime is not None, buf.reason
+    if how == "large":  # the one launch is there, and the message is above its hand-over (ranks share the GPU)
+        assert buf._runtime is not None and 2 * n > buf.one_launch_max_bytes, buf.one_launch_max_bytes
+    else:  # stages="kernels": no one-launch call, the runtime only for the gate
+        assert buf._runtime is None
+    t0 = time.perf_counter()
+    for call in range(1, 6):
+        bits = 8 if call == 3 and rank == world_size - 1 else 4
+        x = torch.randn(n, device=device, dtype=torch.bfloat16)
+        try:
+            buf.all_reduce(x, QuantSpec(bits, 64, "zero_aware_int" if bits == 4 else "zero_aware", True))
+            buf.synchronize()
+        except EchoP2PMismatch as e:
+            result = {"call": call, "message": str(e), "waited_s": time.perf_counter() - t0,
+                      "buffer_calls": buf.num_calls}
+            buf.close(abort=True, barrier=False)
+            return result
+    raise AssertionError(f"rank {rank}: no EchoP2PMismatch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("how", ("large", "kernels"))
+def test_gpu_staged_mismatch_is_named(how):
+    results = run_distributed(staged_mismatch_body, 2, how, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["call"] == 3 and r["buffer_calls"] == 3, r
+        assert "bits: rank 0 4, rank 1 8" in r["message"] and "different arguments" in r["message"], r
         assert r["waited_s"] < 10.0, r

@@ -421,11 +421,10 @@ class EchoRuntime:
         return plain_all_reduce(self._gated(x, site, kind, 16), site.group)
 
     def _p2p_staged(self, x: torch.Tensor) -> bool:
-        """Whether the p2p buffer may run this call through its staged pipeline, whose flags carry no call
-        descriptor (the one-launch call's do): no one-launch runtime, or a message above its size limit.
-        Conservative: a call that then takes the one launch is checked twice."""
-        return (getattr(self.buffer, "_runtime", None) is None
-                or x.numel() * x.element_size() > self.buffer.one_launch_max_bytes)
+        """Whether the p2p buffer may run this call with no call descriptor in its flags: only where it has
+        no one-launch runtime (the one launch carries the descriptor in its flags, and EchoBuffer puts a
+        launch of the same family carrying it in front of every staged call, EchoBuffer._gate_staged)."""
+        return getattr(self.buffer, "_owned_runtime", None) is None
 
     def _gated(self, x: torch.Tensor, site: Site, kind: str, bits: int) -> torch.Tensor:
         """``x``, or NaN in its place on every rank where the ranks are not at the same call.

@@ -185,8 +185,11 @@ class EchoBuffer:
         self.reason = ""
         self.closed = False
         self._schedules: "OrderedDict[object, Schedule]" = OrderedDict()
-        self._runtime = None  # echo_ds.ops' P2PRuntime: the one-launch call
-        self._retired_runtime = None  # the runtime after on_fault="reference" retired it: close() frees it
+        self._runtime = None  # echo_ds.ops' P2PRuntime where the one-launch call serves calls (stages allowing)
+        # The runtime itself, whatever the stages: the staged calls' descriptor gate (_gate_staged); close()
+        # frees it (also after on_fault="reference" retired the one-launch call).
+        self._owned_runtime = None
+        self._gate_x = self._gate_y = None
         self._on_reference = False  # on_fault="reference" moved the group to the reference path
         self._decisions = {}  # call-policy key -> Decision (a pure function of the key)
         self._plans = {}  # a call's key -> the one-launch call's arguments (see all_reduce)
@@ -286,9 +289,7 @@ class EchoBuffer:
             # the group's most ranks on one device: the same on every rank, so all take the same path
             most = max(sum(1 for f in everyone if f["uuid"] == e["uuid"]) for e in everyone)
             self.one_launch_max_bytes = policy.one_launch_max_bytes(most)
-        if self.stages not in ("auto", "fused"):
-            why = f"stages={self.stages!r}"
-        elif self.world_size not in KERNEL_WORLD_SIZES:
+        if self.world_size not in KERNEL_WORLD_SIZES:
             why = f"the one-launch kernel is built for {KERNEL_WORLD_SIZES} ranks, not {self.world_size}"
         else:
             try:
@@ -322,10 +323,15 @@ class EchoBuffer:
         cap = min(v[1] for v in verdicts)
         t = self.transport
         P = self.world_size
-        self._runtime = ext.P2PRuntime(
+        self._owned_runtime = ext.P2PRuntime(
             self.rank, P, [t.peer_ptr[j]["codes"] for j in range(P)], [t.peer_ptr[j]["params"] for j in range(P)],
             [t.peer_ptr[j]["signals"] + L.kFusedFlagsOffset for j in range(P)], self.capacity.code_bytes // 2,
-            self.capacity.param_bytes // 2, t.error_dev_ptr, t.timeout_ns, cap)
+            self.capacity.param_bytes // 2, t.error_dev_ptr, t.timeout_ns, cap,
+            t.control_ptr + t.layout["control.poisoned"])
+        # stages "kernels" / "torch" keep the runtime for the staged calls' descriptor gate only
+        self._runtime = self._owned_runtime if self.stages in ("auto", "fused") else None
+        self._gate_x = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._gate_y = torch.empty_like(self._gate_x)
         if sharing > 1 and self.rank == 0:
             logger.info("echo p2p: %d ranks share one device: the one-launch kernel's grid is capped at %d blocks "
                         "per rank, so that every rank's blocks are resident at once", sharing, cap)
@@ -543,6 +549,7 @@ class EchoBuffer:
                        "call's one-launch kernel is not available", self.rank)
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
                                    site=site, direction=direction)
+        self._gate_staged(x, spec, compensator, pow2_rescale, site, direction)
         if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
             # NOTE: an event recorded inside a capture must never be waited on outside it (CUDA answers
             # "invalid argument", seen on the H200 at the first eager call after a replay), so a captured
@@ -554,6 +561,25 @@ class EchoBuffer:
             finally:
                 self._events = eager_events
         return self._p2p_all_reduce(x, spec, compensator, pow2_rescale)
+
+    def _gate_staged(self, x, spec, compensator, pow2, site, direction) -> None:
+        """The staged pipeline's flags carry no call descriptor; a launch of the one-launch family's plain
+        kernel on one element, whose flags carry this call's descriptor, goes first on the caller's stream
+        (the staged streams start behind it). Ranks that made different calls fail it with EchoP2PMismatch,
+        and its failure poisons the staged transport too (P2PRuntime's staged_poisoned), so the staged
+        kernels behind it publish no flag and wait for none: the mismatch is named, and no data of the two
+        calls mixes. Costs one launch and one flag round trip per staged call (tens of microseconds, against
+        their hundreds of host time). Without a runtime (the host transport, or a group whose one-launch
+        runtime could not be built) there is no gate: docs/errors.md."""
+        rt = self._owned_runtime
+        if rt is None:
+            return
+        descriptor = proto.call_descriptor(
+            numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
+            quantizer=spec.quantizer, rotation=spec.rotation, pow2=pow2,
+            residual="none" if compensator is None else compensator.residual, site=site, direction=direction,
+            state_dtype=_state_dtype(compensator))
+        rt.plain_all_reduce(self._gate_x, self._gate_y, descriptor, _raw_stream(self.device))
 
     def plain_all_reduce(self, x: torch.Tensor, *, site: Optional[int] = None,
                          direction: Optional[str] = None) -> torch.Tensor:
@@ -772,7 +798,7 @@ class EchoBuffer:
             collective.drop_backend(self._backend_name, self)
             self._backend_name = None
         # The one-launch fast path tests _runtime first; the runtime itself stays alive for close().
-        self._retired_runtime, self._runtime = self._runtime, None
+        self._runtime = None  # close() frees it (_owned_runtime)
         self._plans.clear()
         self.active = False
         self.reason = f"a failed wait moved the group to the reference path (on_fault='reference'): {error}: {failure}"
@@ -810,8 +836,7 @@ class EchoBuffer:
                 self._note_range(transport=t)  # the last calls' range events
         finally:
             t.abort()
-            runtime = self._runtime if self._runtime is not None else self._retired_runtime
-            self._runtime = self._retired_runtime = None
+            runtime, self._runtime, self._owned_runtime = self._owned_runtime, None, None
             if runtime is not None:
                 runtime.close()  # its control block (no call is in flight any more)
             try:
