@@ -270,10 +270,25 @@ def test_plain_descriptor_differs_from_every_quantized_call():
     assert proto.decode_descriptor(plain)["compensator"] == proto.kPlainResidualName
     assert proto.decode_descriptor(plain)["dtype"] == "bfloat16"
     for bits, g, q, rot, pow2, res, state in itertools.product(
-            (4, 8), proto.DESCRIPTOR_GROUP_SIZES, proto.DESCRIPTOR_QUANTIZERS, (False, True), proto.DESCRIPTOR_POW2,
+            (4, 8), proto.SUPPORTED_GROUP_SIZES + (16,), proto.DESCRIPTOR_QUANTIZERS, (False, True), proto.DESCRIPTOR_POW2,
             proto.DESCRIPTOR_RESIDUALS, proto.DESCRIPTOR_STATE_DTYPES):
         quantized = proto.call_descriptor(numel=4097, dtype="bfloat16", bits=bits, group_size=g, quantizer=q,
                                           rotation=rot, pow2=pow2, residual=res, site=3, direction="forward",
                                           state_dtype=state)
         assert quantized != plain
     assert proto.plain_call_descriptor(numel=4097, dtype="float16", site=3, direction="forward") != plain
+
+
+def test_group_sizes_the_kernels_do_not_take_are_described_through_the_hash():
+    """The staged torch stages take every group size (their descriptor gate describes the call): a size without
+    a code of its own reads as "another" and is mixed into the hash, so 16 and 32 still differ; the kernels'
+    sizes keep their codes and their hash."""
+    def d(g, numel=4097):
+        return proto.call_descriptor(numel=numel, dtype="float32", bits=4, group_size=g, quantizer="zero_aware",
+                                     rotation=False, pow2="auto", residual="none", site=1, direction="forward")
+
+    assert proto.decode_descriptor(d(16))["group_size"] == proto.kOtherGroupSize
+    assert d(16) != d(32) and d(16) != d(16, numel=4096)
+    for g in proto.SUPPORTED_GROUP_SIZES:
+        assert proto.decode_descriptor(d(g))["group_size"] == g
+        assert proto.decode_descriptor(d(g))[proto.kHashField] == proto.numel_hash(4097, 1, "forward")

@@ -54,7 +54,10 @@ kErrorMismatch = 3  # the one-launch call: a peer's flag of this call carries a 
 # of the widths before it, and a value's code is its index in the field's values, which come from the
 # declarations of what the kernels take (echo_ds.ops.kernels, echo_ds.quant, echo_ds.algorithm).
 DESCRIPTOR_DTYPES = tuple(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-DESCRIPTOR_GROUP_SIZES = SUPPORTED_GROUP_SIZES
+# The kernels' group sizes, and one code for any other (the staged torch stages take every size the
+# quantizer does, their descriptor gate included): such a size is mixed into the hash instead.
+kOtherGroupSize = "another (in the hash)"
+DESCRIPTOR_GROUP_SIZES = SUPPORTED_GROUP_SIZES + (kOtherGroupSize,)
 DESCRIPTOR_QUANTIZERS = QUANTIZERS
 # Also the residual argument of the one-launch call (P2PRuntime.all_reduce: 0 none, 1 "local", 2 "output").
 DESCRIPTOR_RESIDUALS = ("none", "local", "output")
@@ -126,12 +129,14 @@ _FIELDS = {f.arg: f for f in DESCRIPTOR_LAYOUT}
 _SHIFT = descriptor_shifts()
 
 
-def numel_hash(numel: int, site: Optional[int] = None, direction: Optional[str] = None) -> int:
-    """kNumelHashBits bits of (element count, site, direction) (Fibonacci hashing of each, mixed): equal
-    calls give equal hashes, and two calls that differ in any of them collide with probability about
-    2^-kNumelHashBits."""
+def numel_hash(numel: int, site: Optional[int] = None, direction: Optional[str] = None,
+               group_size: Optional[int] = None) -> int:
+    """kNumelHashBits bits of (element count, site, direction[, a group size the descriptor has no code
+    for]) (Fibonacci hashing of each, mixed): equal calls give equal hashes, and two calls that differ in any
+    of them collide with probability about 2^-kNumelHashBits."""
     h = 0
-    for v in (numel, -1 if site is None else site, {None: 0, "forward": 1, "backward": 2, "eval": 3}[direction]):
+    mixed = (numel, -1 if site is None else site, {None: 0, "forward": 1, "backward": 2, "eval": 3}[direction])
+    for v in mixed + (() if group_size is None else (group_size,)):
         h = ((h ^ (v & 0xFFFFFFFF)) * 0x9E3779B1) & 0xFFFFFFFF
     return h >> (32 - kNumelHashBits)
 
@@ -152,10 +157,11 @@ def call_descriptor(*, numel: int, dtype: str, bits: int, group_size: int, quant
                     state_dtype: str = "bf16") -> int:
     """The 32-bit descriptor of a one-launch call (see decode_descriptor); site and direction: the
     caller's (None: not compared); state_dtype: the compensator's stored format ("bf16" without one)."""
-    args = dict(dtype=dtype, bits=bits, group_size=group_size, quantizer=quantizer, rotation=rotation, pow2=pow2,
-                residual=residual, state_dtype=state_dtype)
+    other = group_size not in SUPPORTED_GROUP_SIZES  # the staged torch stages' sizes: in the hash
+    args = dict(dtype=dtype, bits=bits, group_size=kOtherGroupSize if other else group_size, quantizer=quantizer,
+                rotation=rotation, pow2=pow2, residual=residual, state_dtype=state_dtype)
     codes = {f.arg: _code(f, args[f.arg]) for f in DESCRIPTOR_LAYOUT if f.values is not None}
-    return _encode(**codes, hash=numel_hash(numel, site, direction))
+    return _encode(**codes, hash=numel_hash(numel, site, direction, group_size if other else None))
 
 
 def plain_call_descriptor(*, numel: int, dtype: str, site: Optional[int] = None,
