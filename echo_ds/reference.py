@@ -31,6 +31,7 @@ rank, the peer where known, the stage (:data:`STAGES`) and the call. After eithe
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -152,20 +153,52 @@ def _context(call, site, direction) -> str:
     return head
 
 
+# A gloo collective that Echo's wait abandons at its timeout keeps the group's worker thread until gloo's
+# own timeout (the group's, 30 minutes by default), and the process group's destructor joins that thread
+# at interpreter exit: a survivor of a stopped peer hung at exit (docs/errors.md; ProcessGroupGloo.abort()
+# and shutdown() do not end it, seen with torch 2.13 on the CPU). So Echo's collectives on a gloo group are
+# issued with gloo's own timeout at Echo's bound plus this margin, then the group's is put back.
+kGlooMarginS = 1.0
+
+
+@contextlib.contextmanager
+def _gloo_op_timeout(group, timeout_s: float):
+    """Collectives issued inside run on ``group``'s gloo backend with gloo's timeout timeout_s + kGlooMarginS
+    (nothing where the group has no gloo backend, or where timeout_s is infinite)."""
+    backend = None
+    if not math.isinf(timeout_s):
+        try:
+            backend = group._get_backend(torch.device("cpu"))
+        except (RuntimeError, AttributeError):
+            backend = None
+    if not isinstance(backend, getattr(dist, "ProcessGroupGloo", ())) or not hasattr(backend, "_set_default_timeout"):
+        yield
+        return
+    before = backend.options._timeout
+    backend._set_default_timeout(datetime.timedelta(seconds=timeout_s + kGlooMarginS))
+    try:
+        yield
+    finally:
+        backend._set_default_timeout(before)
+
+
 class _Call:
     """What the messages of one call name, and its bounded wait."""
 
-    __slots__ = ("rank", "world_size", "call", "site", "direction", "timeout_s")
+    __slots__ = ("rank", "world_size", "call", "site", "direction", "timeout_s", "group")
 
-    def __init__(self, rank, world_size, call, site, direction, timeout_s):
+    def __init__(self, rank, world_size, call, site, direction, timeout_s, group=None):
         self.rank, self.world_size, self.call = rank, world_size, call
         self.site, self.direction, self.timeout_s = site, direction, timeout_s
+        self.group = group
 
     def run(self, stage: str, issue: Callable[[], "dist.Work"]) -> None:
-        """Issue one collective asynchronously and wait for it, at most timeout_s."""
+        """Issue one collective asynchronously and wait for it, at most timeout_s (on gloo, the collective
+        itself ends kGlooMarginS later: _gloo_op_timeout)."""
         start = time.monotonic()
         try:
-            work = issue()
+            with _gloo_op_timeout(self.group if self.group is not None else dist.group.WORLD, self.timeout_s):
+                work = issue()
             if math.isinf(self.timeout_s):
                 work.wait()
             elif work.wait(datetime.timedelta(seconds=self.timeout_s)) is False:
@@ -351,7 +384,8 @@ def _echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proc
             raise ValueError(f"echo_all_reduce: {kTimeoutEnv}={timeout_s!r} must be > 0")
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    call = _Call(rank, world_size, _next_call(group), site, direction, float(timeout_s))
+    call = _Call(rank, world_size, _next_call(group), site, direction, float(timeout_s),
+                 dist.group.WORLD if group is None else group)
 
     layout = A.Layout(x.numel(), world_size, spec.group_size)
     G = layout.groups_per_segment

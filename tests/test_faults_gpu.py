@@ -20,8 +20,9 @@ where no GPU is). Rank P - 1 is the one lost; the others are the survivors.
 * stop: the same with SIGSTOP, the survivors exiting right after the error (rank 0 closes its buffer, the
   others leave theirs to the exit hook); the parent kills the stopped rank at the end. With a reference
   call before the exit (CPU only: it is the reference path over gloo, with or without a GPU), the call
-  raises EchoTimeout in time, but the survivor then hangs at exit: see
-  ``test_stopped_rank_survivor_exits_after_a_reference_call``.
+  raises EchoTimeout in time and the survivor still exits promptly
+  (``test_stopped_rank_survivor_exits_after_a_reference_call``; it hung at exit until gloo's own timeout
+  before echo_ds.reference._gloo_op_timeout).
 * resume: rank P - 1 stops itself before call ``fault_after``; once every survivor has raised, the parent
   resumes it (SIGCONT). The resumed rank raises as well; then every rank closes its buffer together (the
   barrier: no rank frees memory a peer still maps) and goes on with the reference path on the same group,
@@ -389,15 +390,14 @@ def test_stopped_rank_survivor_reference_call_raises_the_named_error():
     assert out["results"][0]["after"]["type"] == "EchoTimeout", out["results"][0]["after"]
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 35): after the reference path's EchoTimeout against a "
-                   "hung peer, the abandoned gloo collective blocks the process group's destructor at interpreter "
-                   "exit until the group's own timeout (torch's default: 30 minutes)")
 def test_stopped_rank_survivor_exits_after_a_reference_call():
     """After an EchoTimeout of the reference path whose peer still holds its connections (stopped, not dead),
-    the survivor must still exit promptly. Seen on the CPU (2026-12-06): exit 59 s after the last report
-    with the group's timeout at 60 s; gdb: the main thread in ~ProcessGroupGloo (module teardown) joining
-    pt_gloo_runloop, which waits in gloo::allgather for the stopped peer (the descriptor all-gather that
-    echo_all_reduce abandoned at its timeout)."""
+    the survivor must still exit promptly. Before the fix (seen on the CPU, 2026-12-06): exit 59 s after the
+    last report with the group's timeout at 60 s; gdb: the main thread in ~ProcessGroupGloo (module teardown)
+    joining pt_gloo_runloop, which waited in gloo::allgather for the stopped peer (the descriptor all-gather
+    that echo_all_reduce abandoned at its timeout). Now Echo's collectives on a gloo group carry gloo's own
+    timeout at Echo's bound plus a margin (echo_ds.reference._gloo_op_timeout), so the abandoned one ends
+    by itself."""
     out = _outcome("host", 2, "stop", "reference")
     _check_exits(out, [0])
 
