@@ -24,6 +24,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import torch
 
 from echo_ds import quant as Q
+from echo_ds.compensator import kStateTensorDtypes
 from echo_ds.algorithm import Layout
 from echo_ds.quant import QuantSpec
 
@@ -222,14 +223,22 @@ def kernel_state(compensator) -> dict:
     "int8" (m1, m2, exponent), "int4" (its packed bytes q as m1, None, exponent). Empty without one."""
     if compensator is None:
         return {}
-    if compensator.state_dtype == "int4":
-        return dict(m1=compensator.q, m2=None, exponent=compensator.exponent)
-    return dict(m1=compensator.m1, m2=compensator.m2, exponent=compensator.exponent)
+    return {arg: None if name is None else getattr(compensator, name)
+            for arg, name in zip(("m1", "m2", "exponent"), _kernel_state_names(compensator.state_dtype))}
 
 
-# The dtypes of (m1, m2, exponent) of each stored format, as kernel_state gives them.
-_STATE_ARG_DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16, None), "int8": (torch.int8, torch.int8, torch.int8),
-                     "int4": (torch.uint8, None, torch.int8)}
+def _kernel_state_names(state_dtype: str) -> tuple:
+    """The compensator's tensor names behind the kernels' (m1, m2, exponent) (None: not passed)."""
+    names = kStateTensorDtypes[state_dtype]
+    if "q" in names:  # int4: the packed bytes of both averages stand in m1's place
+        return "q", None, "exponent"
+    return "m1", "m2", "exponent" if "exponent" in names else None
+
+
+# The dtypes of (m1, m2, exponent) of each stored format, as kernel_state gives them (from the compensator's
+# declaration of its tensors, echo_ds.compensator.kStateTensorDtypes).
+_STATE_ARG_DTYPES = {fmt: tuple(None if n is None else kStateTensorDtypes[fmt][n] for n in _kernel_state_names(fmt))
+                     for fmt in kStateTensorDtypes}
 
 
 def _state_args(m1, m2, exponent, coeffs):
