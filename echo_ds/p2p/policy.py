@@ -132,11 +132,9 @@ def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_si
 
 
 # Largest message of the one-launch call under stages="auto" where ranks share a GPU (the test rig); larger
-# ones take the staged pipeline. From the H200 run of 2026-12-04 and the H100 floor table of 2026-12-06
-# (benchmarks/RESULTS.md, "One launch per call", "Floor and projection"): on a shared GPU co-residency caps
-# each rank's grid at a fraction of the SMs (66 blocks at P = 2, 33 at P = 4), and from 64 MiB up the staged
-# kernels, on the whole GPU, are about twice as fast under graph replay despite 300-3700 us of host time
-# per call.
+# ones take the staged pipeline. On a shared GPU co-residency caps each rank's grid at a fraction of the
+# SMs, and from 64 MiB up the staged kernels, on the whole GPU, are faster under graph replay despite their
+# host time (benchmarks/RESULTS.md, "One launch per call" and "Floor and projection").
 kSharedGpuOneLaunchMaxBytes = 16 << 20
 
 
