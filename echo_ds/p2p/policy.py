@@ -143,9 +143,9 @@ def one_launch_max_bytes(ranks_per_device: int) -> int:
 
     ranks_per_device: the most ranks of the group on one GPU (the same for every rank of the group, so that
         all take the same path). 1, the deployment (a GPU per rank): every size, chunk by chunk beyond the
-        workspace. There each rank's grid is its whole GPU's (2 blocks per SM), and the staged pipeline's
-        host time (300-800 us per call from 64 MiB, measured on the shared GPU, where it does not depend on
-        the grid) would exceed NCCL's 16-bit all-reduce of the same message on eight H100s (about 320 us).
+        workspace. There each rank's grid is its whole GPU's, and the staged pipeline's host time per call
+        alone (measured on the shared GPU, where it does not depend on the grid: RESULTS.md, "One launch per
+        call") exceeds NCCL's 16-bit all-reduce of such a message on eight H100s (the issue's figure).
         Not measured on separate GPUs (none was available): a prediction, which the first multi-GPU run of
         benchmarks/bench_p2p.py (--stages fused,kernels) should check.
     """
