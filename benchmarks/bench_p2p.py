@@ -535,7 +535,10 @@ def print_sweep(P, res, report, cfg):
                   f"| {c['median_s'] * 1e6:.1f} us | {c['host_median_s'] * 1e6:.0f} us {graph}"
                   f"| {r['copy_s'] * 1e6:.1f} us | {correct} |")
 
-        # The floor: every rank on this GPU, its model bytes at the copy bandwidth of this run.
+        def floor_of(model) -> float:
+            """The floor: every rank on this GPU, its model bytes at the copy bandwidth of this run."""
+            return share * (model["read_bytes"] + model["write_bytes"]) / copy_bw
+
         print(f"\nFloor, P = {P}, {bits}-bit, {stages}: HBM/rank = bytes one rank's call reads + writes "
               f"(benchmarks/bytes_model.py), sent/rank = of those, stored into peers' memory; floor = {share} "
               f"rank(s) per GPU x HBM/rank / {copy_bw / 1e12:.3f} TB/s (copy, this run); % of floor = floor / time")
@@ -551,8 +554,7 @@ def print_sweep(P, res, report, cfg):
                     cells.append("- |" + (" - |" if label == "uncompensated" else "") + " - | - | -")
                     continue
                 hbm = m["read_bytes"] + m["write_bytes"]
-                floor = share * hbm / copy_bw
-                d["floor_s"] = floor
+                floor = d["floor_s"] = floor_of(m)
                 sent = f" {_gib(m['sent_bytes'])} |" if label == "uncompensated" else ""
                 cells.append(f"{_gib(hbm)} |{sent} {_us(floor)} | {_pct(floor, d['median_s'])} | "
                              f"{_pct(floor, d.get('graph_median_s'))}")
@@ -569,7 +571,7 @@ def print_sweep(P, res, report, cfg):
             for r in plain:
                 d, m = r["plain16"], r["plain16"]["model"]
                 hbm = m["read_bytes"] + m["write_bytes"]
-                d["floor_s"] = share * hbm / copy_bw
+                d["floor_s"] = floor_of(m)
                 g = d.get("graph_median_s")
                 ratio = (lambda label: "-" if not g or "graph_median_s" not in r[label]
                          else f"{r[label]['graph_median_s'] / g:.2f}x")
