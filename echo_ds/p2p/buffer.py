@@ -1,5 +1,9 @@
 """EchoBuffer: the one owner of a tensor-parallel group's p2p resources (DeepEP's ``Buffer``).
 
+It owns the transport (the handshake, close), routes each call (the reference path, the one-launch call or
+the staged pipeline) and issues the one-launch call itself; the staged pipeline's executor (its schedules,
+stage streams and events) is echo_ds.p2p.stages.StagedPipeline, which it creates with the transport.
+
 ::
 
     buf = EchoBuffer(tp_group)                                  # collective: every rank of the group
@@ -24,26 +28,18 @@ epochs and pointer tables live in device memory, so the call replays from a CUDA
 
 The staged pipeline (stages="kernels" or "torch"; under "auto", calls above one_launch_max_bytes, which the
 policy sets to 16 MiB where ranks share a GPU and leaves unlimited where each has its own, and the fallback
-where the one-launch kernel does not support the call): the caller's stream
-raises the device-resident flag base and records a start event; the push stream forms x' (compensation,
-rotation, the pow2 max exchange) and puts the codes of each tile into its owner's buffer, publishing a
-flag per tile; the reduce stream waits for a tile's flags, reduces and requantizes it into every peer's
-buffer (the torch stages leave that put to the gather stream); the gather stream decodes this rank's own
-segment; the tail stream waits for the owners' tiles and decodes them; the caller's stream waits for the
-ends. The compensator's state is updated inside those stages (echo_ds.ops: by the entry and the owner
-reduce for residual "local", by the dequantize for "output"; the torch stages: after the exit, on the tail
-stream), so a call leaves no work behind it. The host never synchronises while tiles are in flight.
+where the one-launch kernel does not support the call): EchoBuffer gates the call by its descriptor
+(_gate_staged) and hands it to StagedPipeline, which issues the stages on their streams (echo_ds.p2p.stages
+says how).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import socket
 import weakref
-from collections import OrderedDict
 from typing import List, Optional
 
 import torch
@@ -54,7 +50,7 @@ from echo_ds import collective
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import policy
 from echo_ds.p2p import protocol as proto
-from echo_ds.p2p.stages import KernelSchedule, Schedule, TorchSchedule, schedule_key
+from echo_ds.p2p.stages import StagedPipeline
 from echo_ds.log import log_once
 from echo_ds.ops.kernels import KERNEL_WORLD_SIZES, kernel_state
 from echo_ds.quant import QuantSpec
@@ -71,8 +67,6 @@ logger = logging.getLogger("echo_ds.p2p")
 # sequence moves out of Python, where smaller tiles overlap the transfers with the quantisation.
 kDefaultTileBytes = 16 * 1024 * 1024
 kDefaultMaxNumel = 1 << 26  # 64 Mi elements: a 128 MiB bf16 activation, 256 MiB in fp32
-kScheduleCacheSize = 32
-kStreams = ("push", "reduce", "gather", "tail")
 kOnFault = ("raise", "reference")  # EchoBuffer's on_fault
 
 _live_buffers: "weakref.WeakSet[EchoBuffer]" = weakref.WeakSet()
@@ -184,7 +178,6 @@ class EchoBuffer:
         self.active = False
         self.reason = ""
         self.closed = False
-        self._schedules: "OrderedDict[object, Schedule]" = OrderedDict()
         self._runtime = None  # echo_ds.ops' P2PRuntime where the one-launch call serves calls (stages allowing)
         # The runtime itself, whatever the stages: the staged calls' descriptor gate (_gate_staged); close()
         # frees it (also after on_fault="reference" retired the one-launch call).
@@ -195,8 +188,7 @@ class EchoBuffer:
         self._plans = {}  # a call's key -> the one-launch call's arguments (see all_reduce)
         self._range_seen = (0, 0)  # the kernels' range counters as last folded (_note_range)
         self._range_bits = 4  # the bit width the range warning names: the last call's without rescaling
-        self._streams = {}
-        self._events = {}
+        self._pipeline = None  # echo_ds.p2p.stages.StagedPipeline, once the transport exists
         self._num_calls = 0
         self._fault = None  # tests: (call number, "exit_after_push")
         self._backend_name = None  # the group's name in echo_ds.collective's registry, while registered
@@ -268,10 +260,9 @@ class EchoBuffer:
 
         self.transport = CudaTransport(self.group, self.rank, self.world_size, self.device, self.capacity,
                                        self.timeout_s, ext)
-        self._streams = {name: torch.cuda.Stream(self.device) for name in kStreams}
         self._ops = ops if self.stages != "torch" else None
-        self._events = self._new_events()
-        self._graph_events = []  # the events of captured calls, kept with the buffer
+        self._pipeline = StagedPipeline(self.transport, self.rank, self.world_size, self.capacity, self.device,
+                                        self._ops, self.stages, _warn_once)
         self._finish_handshake()
         if self.active:
             self._init_runtime(ext, everyone, uuid)
@@ -336,15 +327,12 @@ class EchoBuffer:
             logger.info("echo p2p: %d ranks share one device: the one-launch kernel's grid is capped at %d blocks "
                         "per rank, so that every rank's blocks are resident at once", sharing, cap)
 
-    @staticmethod
-    def _new_events() -> dict:
-        return {name: torch.cuda.Event() for name in
-                ("start", "pushed0", "pushed1", "reduced0", "reduced1", "gather_end", "tail_end")}
-
     def _init_host(self) -> None:
         from echo_ds.p2p.transport import HostTransport
 
         self.transport = HostTransport(self.group, self.rank, self.world_size, self.capacity, self.timeout_s)
+        self._pipeline = StagedPipeline(self.transport, self.rank, self.world_size, self.capacity, self.device,
+                                        self._ops, self.stages, _warn_once)
         self._finish_handshake()
 
     def _finish_handshake(self) -> None:
@@ -420,6 +408,11 @@ class EchoBuffer:
     def num_calls(self) -> int:
         return self._num_calls
 
+    @property
+    def _schedules(self):
+        """The staged pipeline's schedule cache (benchmarks/bench_p2p.py's tile sweep clears and reads it)."""
+        return self._pipeline.schedules
+
     def failure(self) -> Optional[str]:
         """The message of this group's first failed wait, or None (reads pinned memory: no sync)."""
         if self.transport is None:
@@ -445,7 +438,7 @@ class EchoBuffer:
     def synchronize(self) -> None:
         """Wait for every call issued so far (bounded: waits give up after the timeout), then check()."""
         if self.transport is not None and self.transport.kind == "cuda":
-            for s in self._streams.values():
+            for s in self._pipeline.streams.values():
                 s.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
         self._note_range()
@@ -540,7 +533,7 @@ class EchoBuffer:
                     self._plans.clear()
                 self._plans[key] = plan
                 return self._one_launch(x, plan, compensator)
-        if pow2_rescale is False and self._stages_for(x, spec) == "kernels":
+        if pow2_rescale is False and self._pipeline.stages_for(x, spec) == "kernels":
             # NOTE: the staged kernels do not check what the format can express; the one launch, the torch
             # stages and the reference do (the choice is the same on every rank: the runtime exists on all or
             # none, the kernels' support is a function of the call's arguments).
@@ -550,17 +543,12 @@ class EchoBuffer:
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
                                    site=site, direction=direction)
         self._gate_staged(x, spec, compensator, pow2_rescale, site, direction)
-        if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
-            # NOTE: an event recorded inside a capture must never be waited on outside it (CUDA answers
-            # "invalid argument", seen on the H200 at the first eager call after a replay), so a captured
-            # call records its own events.
-            eager_events, self._events = self._events, self._new_events()
-            self._graph_events.append(self._events)
-            try:
-                return self._p2p_all_reduce(x, spec, compensator, pow2_rescale)
-            finally:
-                self._events = eager_events
-        return self._p2p_all_reduce(x, spec, compensator, pow2_rescale)
+        return self._pipeline.all_reduce(x, spec, compensator, pow2_rescale, tile_bytes=self.tile_bytes,
+                                         count_call=self._count_call, check=self.check, fault=self._fault)
+
+    def _count_call(self) -> int:
+        self._num_calls += 1
+        return self._num_calls
 
     def _gate_staged(self, x, spec, compensator, pow2, site, direction) -> None:
         """The staged pipeline's flags carry no call descriptor; a launch of the one-launch family's plain
@@ -664,118 +652,6 @@ class EchoBuffer:
         return y
 
     # ------------------------------------------------------------------------------------------------
-    # The pipeline
-    # ------------------------------------------------------------------------------------------------
-
-    def _stages_for(self, x: torch.Tensor, spec: QuantSpec) -> str:
-        """"kernels" where the stage kernels of echo_ds.ops support the call (and stages is not "torch"),
-        else "torch" (same bits)."""
-        if self._ops is None:
-            return "torch"
-        why = self._ops.unsupported_reason(self.world_size, spec, x.dtype)
-        if why is not None:
-            if self.stages == "kernels":
-                _warn_once(f"the fused kernels do not support this call ({why}); its stages run through torch",
-                           self.rank)
-            return "torch"
-        return "kernels"
-
-    def _schedule(self, x: torch.Tensor, spec: QuantSpec, layout: A.Layout, caller) -> Schedule:
-        kind = self._stages_for(x, spec)
-        key = (schedule_key(x.dtype, spec, layout), kind)
-        sched = self._schedules.get(key)
-        if sched is not None:
-            self._schedules.move_to_end(key)
-            return sched
-        if len(self._schedules) >= kScheduleCacheSize:
-            victim = next((k for k, s in self._schedules.items() if not s.pinned), None)
-            if victim is not None:
-                del self._schedules[victim]  # every stream of its last call has joined the caller's
-        args = (key[0], spec, layout, self.rank, self.world_size, self.transport, self.tile_bytes, self.capacity,
-                self.device)
-        sched = KernelSchedule(*args, ops=self._ops) if kind == "kernels" else TorchSchedule(*args)
-        sched.stream = self._streams
-        self._schedules[key] = sched
-        return sched
-
-    def _on(self, name: str):
-        s = self._streams.get(name)
-        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
-
-    def _record(self, event: str, stream: str) -> None:
-        if self._streams:
-            self._events[event].record(self._streams[stream])
-
-    def _wait(self, stream: str, event: str) -> None:
-        if self._streams:
-            self._streams[stream].wait_event(self._events[event])
-
-    def _p2p_all_reduce(self, x, spec, compensator, pow2):
-        t = self.transport
-        cuda = t.kind == "cuda"
-        capturing = cuda and torch.cuda.is_current_stream_capturing()
-        caller = torch.cuda.current_stream(self.device) if cuda else None
-        layout = A.Layout(x.numel(), self.world_size, spec.group_size)
-        if not x.is_contiguous():
-            x = x.contiguous()
-        if compensator is not None:
-            # Allocated on the caller's stream and kept across calls; every stage stream that reads or
-            # writes it joins the caller's stream before the call returns, so no record_stream is needed.
-            compensator._ensure((self.world_size, layout.groups_per_segment, spec.group_size), self.device)
-        sched = self._schedule(x, spec, layout, caller)
-        if capturing:
-            sched.pinned = True
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
-        self._num_calls += 1
-        num_tiles = sched.tiling.num_tiles
-        sched.begin(x, y, compensator, pow2)
-
-        t.begin_call(caller)
-        if cuda:
-            self._events["start"].record(caller)
-        with self._on("push"):
-            self._wait("push", "start")
-            sched.entry()
-        if self._fault == (self._num_calls, "exit_after_push"):
-            with self._on("push"):
-                for tile in range(num_tiles):
-                    sched.push(tile)
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            os._exit(17)  # tests: a rank dies in the middle of a call, its codes sent
-        # Tile-major issue order, so that the two event slots of each stage boundary alternate (appendix C).
-        for tile in range(num_tiles):
-            pushed, reduced = f"pushed{tile % 2}", f"reduced{tile % 2}"
-            with self._on("push"):
-                sched.push(tile)
-                self._record(pushed, "push")
-            with self._on("reduce"):
-                self._wait("reduce", pushed)  # the torch stages reduce the rs their push formed
-                sched.reduce(tile)
-                self._record(reduced, "reduce")
-            with self._on("gather"):
-                self._wait("gather", reduced)
-                sched.gather(tile)
-            with self._on("tail"):
-                if tile == 0:
-                    self._wait("tail", "start")
-                sched.tail(tile)
-        with self._on("gather"):
-            self._record("gather_end", "gather")
-        with self._on("tail"):
-            self._wait("tail", "gather_end")
-            sched.exit()
-            if compensator is not None:
-                sched.update()  # the kernels updated the state in their stages; the torch stages do it here
-            self._record("tail_end", "tail")
-        if cuda:
-            caller.wait_event(self._events["pushed" + str((num_tiles - 1) % 2)])
-            caller.wait_event(self._events["tail_end"])
-        else:
-            self.check()
-        return y
-
-    # ------------------------------------------------------------------------------------------------
     # Teardown
     # ------------------------------------------------------------------------------------------------
 
@@ -823,14 +699,15 @@ class EchoBuffer:
             collective.drop_backend(self._backend_name, self)
             self._backend_name = None
         t, self.transport = self.transport, None
-        self._schedules.clear()
+        if self._pipeline is not None:
+            self._pipeline.schedules.clear()
         if t is None:
             return
         try:
             if abort:
                 t.abort()
             if t.kind == "cuda":
-                for s in self._streams.values():
+                for s in self._pipeline.streams.values():
                     s.synchronize()
                 torch.cuda.synchronize(self.device)
                 self._note_range(transport=t)  # the last calls' range events

@@ -1,4 +1,15 @@
-"""The Echo stages of one p2p call, and the schedule that prepares them once per shape.
+"""The staged pipeline of a p2p call: its executor, its stages, and the schedule that prepares them once per shape.
+
+``StagedPipeline`` runs the calls EchoBuffer (which owns the transport and routes the calls) sends to the
+staged pipeline. It holds the schedule cache and the stage streams and events, and issues one call: the
+caller's stream raises the device-resident flag base and records a start event; the push stream forms x'
+(compensation, rotation, the pow2 max exchange) and puts the codes of each tile into its owner's buffer,
+publishing a flag per tile; the reduce stream waits for a tile's flags, reduces and requantizes it into
+every peer's buffer (the torch stages leave that put to the gather stream); the gather stream decodes this
+rank's own segment; the tail stream waits for the owners' tiles and decodes them; the caller's stream waits
+for the ends. The compensator's state is updated inside those stages (echo_ds.ops: by the entry and the
+owner reduce for residual "local", by the dequantize for "output"; the torch stages: after the exit, on the
+tail stream), so a call leaves no work behind it. The host never synchronises while tiles are in flight.
 
 A schedule holds, for one key (dtype, bits, quantizer, group size, rotation, segment size: appendix
 C's schedule cache), the tiling, the static workspace (so that a CUDA graph captured over a call keeps
@@ -6,7 +17,7 @@ valid addresses, and no tensor crosses streams through the caching allocator), t
 rank's and its peers' slots, and the prepared flag waits and puts of every tile.
 
 Two implementations of the stages behind the same methods (entry, push, reduce, gather, tail, exit,
-update; EchoBuffer runs them on the push, reduce, gather and tail streams, exit and update on the tail
+update; StagedPipeline runs them on the push, reduce, gather and tail streams, exit and update on the tail
 stream):
 
 ``KernelSchedule``
@@ -25,8 +36,11 @@ reproduce the reference bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Callable, Tuple
 
 import torch
 
@@ -115,7 +129,7 @@ class Schedule:
         self.amax = torch.zeros((1,), **f32)  # this rank's max |x'|
         self.amax_all = torch.zeros((1,), **f32)  # the group's
         self._prepare_flags()
-        self.stream = {}  # name -> torch stream (None on the host transport), set by EchoBuffer
+        self.stream = {}  # name -> torch stream (None on the host transport), set by StagedPipeline
 
     # -- slots ----------------------------------------------------------------------------------------
 
@@ -393,3 +407,170 @@ class TorchSchedule(Schedule):
             u = A.local_residual(self.rs, sent, self.rank, self.s_hat_scaled[self.rank], self.acc,
                                  sent_index=self.others_index, down=self.down if self.pow2 else None)
         comp.update(u)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The executor: schedules, stage streams and events, one call
+# ----------------------------------------------------------------------------------------------------
+
+kScheduleCacheSize = 32
+kStreams = ("push", "reduce", "gather", "tail")
+
+
+class StagedPipeline:
+    """The staged pipeline of one transport: the schedule cache, the stage streams and their events, and the
+    call that issues the stages. EchoBuffer owns the transport and decides which calls come here.
+
+    transport: the buffer's (its kind decides streams and events: none on the host transport).
+    ops: echo_ds.ops where the staged kernels may run (None: stages "torch", or no kernels).
+    stages: the buffer's setting ("kernels" warns where the kernels cannot run a call).
+    warn: ``warn(reason, rank)``, the buffer's one warning per reason.
+    """
+
+    def __init__(self, transport, rank: int, world_size: int, capacity: L.Capacity, device, ops, stages: str,
+                 warn: Callable[[str, int], None]):
+        self.transport = transport
+        self.rank = rank
+        self.world_size = world_size
+        self.capacity = capacity
+        self.device = device
+        self.ops = ops
+        self.stages = stages
+        self._warn = warn
+        self.schedules: "OrderedDict[object, Schedule]" = OrderedDict()
+        cuda = transport.kind == "cuda"
+        self.streams = {name: torch.cuda.Stream(device) for name in kStreams} if cuda else {}
+        self._events = self._new_events() if cuda else {}
+        self._graph_events = []  # the events of captured calls, kept with the pipeline
+
+    @staticmethod
+    def _new_events() -> dict:
+        return {name: torch.cuda.Event() for name in
+                ("start", "pushed0", "pushed1", "reduced0", "reduced1", "gather_end", "tail_end")}
+
+    def stages_for(self, x: torch.Tensor, spec: QuantSpec) -> str:
+        """"kernels" where the stage kernels of echo_ds.ops support the call (and stages is not "torch"),
+        else "torch" (same bits)."""
+        if self.ops is None:
+            return "torch"
+        why = self.ops.unsupported_reason(self.world_size, spec, x.dtype)
+        if why is not None:
+            if self.stages == "kernels":
+                self._warn(f"the fused kernels do not support this call ({why}); its stages run through torch",
+                           self.rank)
+            return "torch"
+        return "kernels"
+
+    def _schedule(self, x: torch.Tensor, spec: QuantSpec, layout: A.Layout, caller, tile_bytes: int) -> Schedule:
+        kind = self.stages_for(x, spec)
+        key = (schedule_key(x.dtype, spec, layout), kind)
+        sched = self.schedules.get(key)
+        if sched is not None:
+            self.schedules.move_to_end(key)
+            return sched
+        if len(self.schedules) >= kScheduleCacheSize:
+            victim = next((k for k, s in self.schedules.items() if not s.pinned), None)
+            if victim is not None:
+                del self.schedules[victim]  # every stream of its last call has joined the caller's
+        args = (key[0], spec, layout, self.rank, self.world_size, self.transport, tile_bytes, self.capacity,
+                self.device)
+        sched = KernelSchedule(*args, ops=self.ops) if kind == "kernels" else TorchSchedule(*args)
+        sched.stream = self.streams
+        self.schedules[key] = sched
+        return sched
+
+    def _on(self, name: str):
+        s = self.streams.get(name)
+        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+
+    def _record(self, event: str, stream: str) -> None:
+        if self.streams:
+            self._events[event].record(self.streams[stream])
+
+    def _wait(self, stream: str, event: str) -> None:
+        if self.streams:
+            self.streams[stream].wait_event(self._events[event])
+
+    def all_reduce(self, x, spec, compensator, pow2, *, tile_bytes: int, count_call: Callable[[], int],
+                   check: Callable[[], None], fault=None):
+        """One call of EchoBuffer.all_reduce that its policy sent here (EchoBuffer's contract).
+
+        count_call: counts the call with the buffer and returns its number (once its schedule and output
+        exist: a call that fails before that counts nothing); check: the buffer's check() (the host
+        transport's end of call); fault: the buffer's test hook, (call number, "exit_after_push")."""
+        if self.transport.kind == "cuda" and torch.cuda.is_current_stream_capturing():
+            # NOTE: an event recorded inside a capture must never be waited on outside it (CUDA answers
+            # "invalid argument", seen on the H200 at the first eager call after a replay), so a captured
+            # call records its own events.
+            eager_events, self._events = self._events, self._new_events()
+            self._graph_events.append(self._events)
+            try:
+                return self._all_reduce(x, spec, compensator, pow2, tile_bytes, count_call, check, fault)
+            finally:
+                self._events = eager_events
+        return self._all_reduce(x, spec, compensator, pow2, tile_bytes, count_call, check, fault)
+
+    def _all_reduce(self, x, spec, compensator, pow2, tile_bytes, count_call, check, fault):
+        t = self.transport
+        cuda = t.kind == "cuda"
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        caller = torch.cuda.current_stream(self.device) if cuda else None
+        layout = A.Layout(x.numel(), self.world_size, spec.group_size)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if compensator is not None:
+            # Allocated on the caller's stream and kept across calls; every stage stream that reads or
+            # writes it joins the caller's stream before the call returns, so no record_stream is needed.
+            compensator._ensure((self.world_size, layout.groups_per_segment, spec.group_size), self.device)
+        sched = self._schedule(x, spec, layout, caller, tile_bytes)
+        if capturing:
+            sched.pinned = True
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        num_call = count_call()
+        num_tiles = sched.tiling.num_tiles
+        sched.begin(x, y, compensator, pow2)
+
+        t.begin_call(caller)
+        if cuda:
+            self._events["start"].record(caller)
+        with self._on("push"):
+            self._wait("push", "start")
+            sched.entry()
+        if fault == (num_call, "exit_after_push"):
+            with self._on("push"):
+                for tile in range(num_tiles):
+                    sched.push(tile)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            os._exit(17)  # tests: a rank dies in the middle of a call, its codes sent
+        # Tile-major issue order, so that the two event slots of each stage boundary alternate (appendix C).
+        for tile in range(num_tiles):
+            pushed, reduced = f"pushed{tile % 2}", f"reduced{tile % 2}"
+            with self._on("push"):
+                sched.push(tile)
+                self._record(pushed, "push")
+            with self._on("reduce"):
+                self._wait("reduce", pushed)  # the torch stages reduce the rs their push formed
+                sched.reduce(tile)
+                self._record(reduced, "reduce")
+            with self._on("gather"):
+                self._wait("gather", reduced)
+                sched.gather(tile)
+            with self._on("tail"):
+                if tile == 0:
+                    self._wait("tail", "start")
+                sched.tail(tile)
+        with self._on("gather"):
+            self._record("gather_end", "gather")
+        with self._on("tail"):
+            self._wait("tail", "gather_end")
+            sched.exit()
+            if compensator is not None:
+                sched.update()  # the kernels updated the state in their stages; the torch stages do it here
+            self._record("tail_end", "tail")
+        if cuda:
+            caller.wait_event(self._events["pushed" + str((num_tiles - 1) % 2)])
+            caller.wait_event(self._events["tail_end"])
+        else:
+            check()
+        return y

@@ -1,0 +1,58 @@
+"""The staged pipeline's executor apart from its owner (issue 31): EchoBuffer routes a staged call to
+echo_ds.p2p.stages.StagedPipeline, which keeps the schedule cache. On the host transport (two CPU ranks):
+the cache stays bounded and evicts the least recently used schedule that no CUDA graph pinned, a schedule
+built again after its eviction gives the same bits as the first, the buffer counts one call per call, and
+close() empties the cache."""
+
+import torch
+
+import p2p_suite
+from echo_ds.quant import QuantSpec
+from utils import run_distributed
+
+
+def _cache_body(rank, world_size, cfg):
+    from echo_ds.p2p import EchoBuffer
+    from echo_ds.p2p.stages import StagedPipeline, kScheduleCacheSize
+
+    P = world_size
+    buf = EchoBuffer(max_numel=1 << 16, tile_bytes=0, timeout_s=30.0, transport="host", stages="torch")
+    assert buf.active, buf.reason
+    pipeline = buf._pipeline
+    assert isinstance(pipeline, StagedPipeline) and pipeline.streams == {}, "the host transport has no streams"
+    assert buf._schedules is pipeline.schedules, "benchmarks/bench_p2p.py reads the cache through the buffer"
+    spec = QuantSpec(4, 128)
+    # One schedule per segment size: a message of k * P * g elements has segments of k * g.
+    sizes = [(k + 1) * P * spec.group_size for k in range(kScheduleCacheSize + 2)]
+
+    def call(i):
+        before = buf.num_calls
+        x = p2p_suite.parts_for(P, sizes[i], torch.float32, 700 + i, "cpu")[rank]
+        y = buf.all_reduce(x, spec)
+        assert buf.num_calls == before + 1, f"call of {sizes[i]} elements counted {buf.num_calls - before} times"
+        return x, y
+
+    def cached():
+        return [key[0].segment_numel * P for key in pipeline.schedules]
+
+    first = [call(i)[1] for i in range(len(sizes))]
+    assert cached() == sizes[2:], "the cache keeps the most recent schedules, in the order of their use"
+    _, y0 = call(0)  # built again: the oldest, sizes[2], goes
+    assert p2p_suite.same_bits(y0, first[0]), "a schedule built again gives other bits"
+    assert cached() == sizes[3:] + sizes[:1]
+    call(3)  # cached: used last now
+    assert cached() == sizes[4:] + sizes[:1] + [sizes[3]]
+    pipeline.schedules[next(iter(pipeline.schedules))].pinned = True  # as a capture pins it
+    x1, y1 = call(1)
+    assert cached() == [sizes[4]] + sizes[6:] + sizes[:1] + [sizes[3], sizes[1]], "a pinned schedule was evicted"
+    assert p2p_suite.same_bits(y1, first[1])
+    p2p_suite.CpuReference("assert").check(y1, x1, spec, what=f"{sizes[1]} elements after an eviction")
+    assert buf.num_calls == len(sizes) + 3
+    buf.close()
+    assert len(pipeline.schedules) == 0, "close() left schedules behind"
+    return len(sizes)
+
+
+def test_schedule_cache_is_bounded_and_evicts_the_least_recent_unpinned():
+    results = run_distributed(_cache_body, 2, {}, timeout=180)
+    assert results == [results[0]] * 2 and results[0] > 32, results
