@@ -402,14 +402,21 @@ def test_stopped_rank_survivor_exits_after_a_reference_call():
     _check_exits(out, [0])
 
 
-@pytest.mark.parametrize("transport,world_size", SETUPS)
-def test_resumed_rank_raises_and_every_rank_goes_on_with_the_reference(transport, world_size):
-    out = _outcome(transport, world_size, "resume")
+def _check_resumed(out, world_size):
+    """The survivors' checks, and the resumed rank's named error within the timeout of its resumption;
+    returns the run's configuration."""
     _check_survivors(out, world_size)
     cfg, victim = out["cfg"], out["cfg"]["victim"]
     f = out["results"][victim]["failure"]
     assert f["type"] == "EchoP2PTimeout" and f"rank {victim} of {world_size}" in f["message"], f
     assert 0.0 < f["at"] - out["t_resume"] < cfg["timeout_s"] + kSlackS, (f["at"] - out["t_resume"], f)
+    return cfg
+
+
+@pytest.mark.parametrize("transport,world_size", SETUPS)
+def test_resumed_rank_raises_and_every_rank_goes_on_with_the_reference(transport, world_size):
+    out = _outcome(transport, world_size, "resume")
+    cfg = _check_resumed(out, world_size)
     for rank in range(world_size):
         after = out["results"][rank]["after"]
         assert (after["mismatches"], after["reference_calls"]) == ([], cfg["reference_calls"]), (rank, after)
@@ -422,11 +429,7 @@ def test_on_fault_reference_every_rank_raises_once_and_goes_on_with_its_buffer(t
     timeout, and then go on calling the same buffer: reference calls, bit-identical to the emulator, until
     they close it together and exit."""
     out = _outcome(transport, world_size, "resume", "on_fault")
-    _check_survivors(out, world_size)
-    cfg, victim = out["cfg"], out["cfg"]["victim"]
-    f = out["results"][victim]["failure"]
-    assert f["type"] == "EchoP2PTimeout" and f"rank {victim} of {world_size}" in f["message"], f
-    assert 0.0 < f["at"] - out["t_resume"] < cfg["timeout_s"] + kSlackS, (f["at"] - out["t_resume"], f)
+    cfg = _check_resumed(out, world_size)
     for rank in range(world_size):
         r = out["results"][rank]
         assert r["mismatches"] == [], (rank, r["mismatches"])

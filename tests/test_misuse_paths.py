@@ -331,7 +331,7 @@ def chunked_mismatch_body(rank, world_size, field):
     fraction of the message; in call 3 the last rank passes another element count (and so another number
     of chunks) or a compensator of another state format. Every rank must raise EchoP2PMismatch at that
     call, long before the timeout."""
-    from echo_ds.p2p import EchoBuffer, EchoP2PMismatch
+    from echo_ds.p2p import EchoBuffer
     from echo_ds.reference import echo_all_reduce
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -341,17 +341,28 @@ def chunked_mismatch_body(rank, world_size, field):
     spec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
     comps = {s: make_compensator(DirectionConfig(state_dtype=s)) for s in kNarrow}
     odd = rank == world_size - 1
-    t0 = time.perf_counter()
-    for call in range(1, 6):
+
+    def issue(call):
         n, state_dtype = kChunkedNumel, "int4"
         if call == 3 and odd:
             if field == "numel":
                 n += 3 * kChunkedMaxNumel
             else:
                 state_dtype = "int8"
-        x = torch.randn(n, device=device, dtype=torch.bfloat16)
+        echo_all_reduce(torch.randn(n, device=device, dtype=torch.bfloat16), spec, compensator=comps[state_dtype])
+
+    return _first_mismatch(buf, rank, issue)
+
+
+def _first_mismatch(buf, rank, issue):
+    """Calls 1 to 5 of ``issue(call)``, each synchronised, until one raises EchoP2PMismatch: its call, message,
+    seconds since the first call and the buffer's call count; the buffer is then closed (no barrier)."""
+    from echo_ds.p2p import EchoP2PMismatch
+
+    t0 = time.perf_counter()
+    for call in range(1, 6):
         try:
-            echo_all_reduce(x, spec, compensator=comps[state_dtype])
+            issue(call)
             buf.synchronize()
         except EchoP2PMismatch as e:
             result = {"call": call, "message": str(e), "waited_s": time.perf_counter() - t0,
@@ -380,7 +391,7 @@ def staged_mismatch_body(rank, world_size, how):
     "kernels": stages="kernels" at 3001 elements) after two good ones; in call 3 the last rank passes 8 bits
     where the others pass 4. Every rank must raise EchoP2PMismatch at that call (the descriptor gate in
     front of the staged pipeline), long before the timeout."""
-    from echo_ds.p2p import EchoBuffer, EchoP2PMismatch
+    from echo_ds.p2p import EchoBuffer
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
@@ -391,19 +402,13 @@ def staged_mismatch_body(rank, world_size, how):
         assert buf._runtime is not None and 2 * n > buf.one_launch_max_bytes, buf.one_launch_max_bytes
     else:  # stages="kernels": no one-launch call, the runtime only for the gate
         assert buf._runtime is None
-    t0 = time.perf_counter()
-    for call in range(1, 6):
+
+    def issue(call):
         bits = 8 if call == 3 and rank == world_size - 1 else 4
-        x = torch.randn(n, device=device, dtype=torch.bfloat16)
-        try:
-            buf.all_reduce(x, QuantSpec(bits, 64, "zero_aware_int" if bits == 4 else "zero_aware", True))
-            buf.synchronize()
-        except EchoP2PMismatch as e:
-            result = {"call": call, "message": str(e), "waited_s": time.perf_counter() - t0,
-                      "buffer_calls": buf.num_calls}
-            buf.close(abort=True, barrier=False)
-            return result
-    raise AssertionError(f"rank {rank}: no EchoP2PMismatch")
+        buf.all_reduce(torch.randn(n, device=device, dtype=torch.bfloat16),
+                       QuantSpec(bits, 64, "zero_aware_int" if bits == 4 else "zero_aware", True))
+
+    return _first_mismatch(buf, rank, issue)
 
 
 @pytest.mark.gpu
