@@ -292,3 +292,17 @@ def test_group_sizes_the_kernels_do_not_take_are_described_through_the_hash():
     for g in proto.SUPPORTED_GROUP_SIZES:
         assert proto.decode_descriptor(d(g))["group_size"] == g
         assert proto.decode_descriptor(d(g))[proto.kHashField] == proto.numel_hash(4097, 1, "forward")
+
+
+def test_every_call_the_staged_pipeline_may_serve_has_a_descriptor():
+    """The staged calls' descriptor gate describes any spec the quantizer takes (found on the H100: group size
+    16, which the torch stages serve, had no code and the gate raised ValueError)."""
+    from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE, is_group_size
+
+    sizes = [g for g in range(MIN_GROUP_SIZE, MAX_GROUP_SIZE + 1) if is_group_size(g)]
+    seen = set()
+    for g, bits, q, state in itertools.product(sizes, (4, 8), proto.DESCRIPTOR_QUANTIZERS,
+                                               proto.DESCRIPTOR_STATE_DTYPES):
+        seen.add(proto.call_descriptor(numel=12_345, dtype="float16", bits=bits, group_size=g, quantizer=q,
+                                       rotation=True, pow2="auto", residual="local", state_dtype=state))
+    assert len(seen) == len(sizes) * 2 * len(proto.DESCRIPTOR_QUANTIZERS) * len(proto.DESCRIPTOR_STATE_DTYPES)
