@@ -171,10 +171,12 @@ def _gloo_op_timeout(group, timeout_s: float):
             backend = group._get_backend(torch.device("cpu"))
         except (RuntimeError, AttributeError):
             backend = None
-    if not isinstance(backend, getattr(dist, "ProcessGroupGloo", ())) or not hasattr(backend, "_set_default_timeout"):
+    # NOTE: private torch API (present in 2.13); a torch without it keeps the group's timeout (the old hang).
+    before = getattr(getattr(backend, "options", None), "_timeout", None)
+    if (not isinstance(backend, getattr(dist, "ProcessGroupGloo", ())) or not hasattr(backend, "_set_default_timeout")
+            or not isinstance(before, datetime.timedelta)):
         yield
         return
-    before = backend.options._timeout
     backend._set_default_timeout(datetime.timedelta(seconds=timeout_s + kGlooMarginS))
     try:
         yield
