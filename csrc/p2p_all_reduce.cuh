@@ -84,9 +84,12 @@ __device__ __forceinline__ void record_failure(const P2PAllReduceArgs& a, uint32
 
 // Spin until *flag == expected (true), or give up (false): at once when the flag holds this call's epoch
 // with another descriptor (the peer made another call); after timeout_ns; at once when the host asked to
-// abort or an earlier wait of this rank failed.
+// abort or an earlier wait of this rank failed. `also` (or null): another flag of the same peer that a
+// peer making another call may write instead (the pow2 max exchange: a peer calling without rescaling
+// skips it and publishes its push flags), read with the slow checks; this call's epoch with another
+// descriptor there is the same mismatch.
 __device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint64_t* flag, uint64_t expected,
-                                          uint32_t stage, int peer) {
+                                          uint32_t stage, int peer, const uint64_t* also = nullptr) {
   uint64_t seen = ld_acquire_sys(flag);
   if (seen == expected) return true;
   const uint64_t start = global_timer_ns();
@@ -98,6 +101,13 @@ __device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint6
     }
     // The slow checks (clock, abort word in host memory, poison) every 64 polls keep the loop on the flag.
     if ((++polls & 63) == 0) {
+      if (also != nullptr) {
+        const uint64_t other = ld_acquire_sys(also);
+        if ((other >> 32) == (expected >> 32) && other != expected) {  // this call's epoch, another descriptor
+          record_failure(a, kP2PErrorMismatch, peer, stage, expected, other, global_timer_ns() - start);
+          return false;
+        }
+      }
       const uint64_t waited = global_timer_ns() - start;
       const bool aborted = *reinterpret_cast<volatile uint32_t*>(&a.error->abort_request) != 0;
       const bool poisoned = *reinterpret_cast<volatile uint32_t*>(&a.control->poisoned) != 0;
@@ -288,7 +298,8 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     if (t == 0) {
       unsigned best = 0u;
       for (int s = 0; s < kWorld; ++s) {
-        wait_flag(a, &mine->amax_flag[s], tag, kP2PWaitAmax, s);
+        // A peer without rescaling never writes its max: its push flag names the other call.
+        wait_flag(a, &mine->amax_flag[s], tag, kP2PWaitAmax, s, s == me ? nullptr : &mine->push[s][blockIdx.x]);
         best = max(best, __float_as_uint(*reinterpret_cast<volatile float*>(&mine->amax[s])));
       }
       amax_shared = a.pow2 == 2 ? pow2_auto_gate(__uint_as_float(best)) : __uint_as_float(best);

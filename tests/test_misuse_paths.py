@@ -422,3 +422,30 @@ def test_gpu_staged_mismatch_is_named(how):
         bits = "bits: rank 0 4, rank 1 8" if rank == 0 else "bits: rank 1 8, rank 0 4"
         assert bits in r["message"] and "different arguments" in r["message"], r
         assert r["waited_s"] < 10.0, r
+
+
+def pow2_mismatch_body(rank, world_size):
+    """One-launch calls; in call 3 the last rank passes pow2_rescale=False where the others rescale ("auto"):
+    the rescaling ranks wait for a max it never publishes, and its push flag names the other call."""
+    from echo_ds.p2p import EchoBuffer
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    buf = EchoBuffer(max_numel=1 << 16, timeout_s=10.0, stages="fused")
+    assert buf.active and buf._runtime is not None, buf.reason
+    spec = QuantSpec(4, 64, "zero_aware_int", True)
+
+    def issue(call):
+        pow2 = False if call == 3 and rank == world_size - 1 else "auto"
+        buf.all_reduce(torch.randn(4097, device=device, dtype=torch.bfloat16), spec, pow2_rescale=pow2)
+
+    return _first_mismatch(buf, rank, issue)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_pow2_on_off_mismatch_is_named():
+    for rank, r in enumerate(run_distributed(pow2_mismatch_body, 2, timeout=120)):
+        assert r["call"] == 3 and r["buffer_calls"] == 3, r
+        assert "pow2_rescale: rank" in r["message"] and "different arguments" in r["message"], r
+        assert r["waited_s"] < 10.0, r
