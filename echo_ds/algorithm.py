@@ -178,6 +178,18 @@ def range_flags(seg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec
     return beyond.view(R, -1).any(dim=1), underflow
 
 
+def note_rank_range(values, scales, zeros, spec: QuantSpec, where: str) -> None:
+    """One rank's range events of a call without rescaling (range_flags over everything it quantized: the
+    pieces ``values`` [..., g] fp32, quantized under ``scales`` and ``zeros`` [...]), counted and warned
+    about (note_range). The reference and the torch stages pass their sent segments and the one reduced."""
+    g = spec.group_size
+    seg = torch.cat([v.reshape(-1, g) for v in values])[None]
+    scale = torch.cat([s.reshape(-1) for s in scales])[None]
+    zero = torch.cat([z.reshape(-1) for z in zeros])[None]
+    clipped, underflow = range_flags(seg, scale, zero, spec)
+    note_range(bool(clipped), bool(underflow), spec.bits, where)
+
+
 def note_range(clipped: int, underflow: int, bits: int, where: str) -> None:
     """Count range events (RangeEvents: ``clipped`` and ``underflow`` calls, a bool for one call) and warn
     once per kind, naming the setting."""

@@ -189,7 +189,7 @@ class _Call:
 
     __slots__ = ("rank", "world_size", "call", "site", "direction", "timeout_s", "group")
 
-    def __init__(self, rank, world_size, call, site, direction, timeout_s, group=None):
+    def __init__(self, rank, world_size, call, site, direction, timeout_s, group):
         self.rank, self.world_size, self.call = rank, world_size, call
         self.site, self.direction, self.timeout_s = site, direction, timeout_s
         self.group = group
@@ -199,7 +199,7 @@ class _Call:
         itself ends kGlooMarginS later: _gloo_op_timeout)."""
         start = time.monotonic()
         try:
-            with _gloo_op_timeout(self.group if self.group is not None else dist.group.WORLD, self.timeout_s):
+            with _gloo_op_timeout(self.group, self.timeout_s):
                 work = issue()
             if math.isinf(self.timeout_s):
                 work.wait()
@@ -419,9 +419,7 @@ def _echo_all_reduce(x: torch.Tensor, spec: QuantSpec, group: Optional[dist.Proc
     acc = A.ordered_sum(terms)
     reduced = A.quantize_segments(acc[None], spec)
     if pow2_rescale is False:  # what this rank quantized: its sent segments and the one it reduced
-        seen = [torch.cat((a, b))[None] for a, b in zip((rs[others],) + sent[1:], (acc[None],) + reduced[1:])]
-        clipped, underflow = A.range_flags(*seen, spec)
-        A.note_range(bool(clipped), bool(underflow), spec.bits, "echo_all_reduce")
+        A.note_rank_range((rs[others], acc), (sent[1], reduced[1]), (sent[2], reduced[2]), spec, "echo_all_reduce")
 
     # All-gather of the reduced codes; every rank dequantizes the same codes.
     gathered = torch.empty(world_size * packet_bytes, dtype=torch.uint8, device=x.device)

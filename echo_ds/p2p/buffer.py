@@ -100,6 +100,16 @@ def _state_dtype(compensator) -> str:
     return "bf16" if compensator is None else getattr(compensator, "state_dtype", "bf16")
 
 
+def _call_descriptor(x: torch.Tensor, spec: QuantSpec, compensator, pow2, site, direction) -> int:
+    """The 32-bit descriptor of an Echo call (echo_ds.p2p.protocol.call_descriptor): the one-launch call's
+    flags and the staged calls' gate carry it."""
+    return proto.call_descriptor(
+        numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
+        quantizer=spec.quantizer, rotation=spec.rotation, pow2=pow2,
+        residual="none" if compensator is None else compensator.residual, site=site, direction=direction,
+        state_dtype=_state_dtype(compensator))
+
+
 def _default_timeout() -> float:
     return float(os.environ.get("ECHO_P2P_TIMEOUT_S", proto.kDefaultTimeoutS))
 
@@ -562,11 +572,7 @@ class EchoBuffer:
         rt = self._owned_runtime
         if rt is None:
             return
-        descriptor = proto.call_descriptor(
-            numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
-            quantizer=spec.quantizer, rotation=spec.rotation, pow2=pow2,
-            residual="none" if compensator is None else compensator.residual, site=site, direction=direction,
-            state_dtype=_state_dtype(compensator))
+        descriptor = _call_descriptor(x, spec, compensator, pow2, site, direction)
         rt.plain_all_reduce(self._gate_x, self._gate_y, descriptor, _raw_stream(self.device))
 
     def plain_all_reduce(self, x: torch.Tensor, *, site: Optional[int] = None,
@@ -616,10 +622,7 @@ class EchoBuffer:
             return None
         signs, norm = K._hadamard_args(spec)
         residual = "none" if compensator is None else compensator.residual
-        descriptor = proto.call_descriptor(
-            numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
-            quantizer=spec.quantizer, rotation=spec.rotation, pow2=pow2, residual=residual, site=site,
-            direction=direction, state_dtype=_state_dtype(compensator))
+        descriptor = _call_descriptor(x, spec, compensator, pow2, site, direction)
         layout = A.Layout(x.numel(), self.world_size, spec.group_size)
         state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
         return (state_shape, proto.DESCRIPTOR_RESIDUALS.index(residual), spec.group_size, spec.bits,

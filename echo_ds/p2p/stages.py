@@ -381,12 +381,8 @@ class TorchSchedule(Schedule):
         the range events of what this rank quantized (its sent segments and the one it reduced), counted and
         warned about as the reference does (algorithm.range_flags: a host synchronisation, on this path only)."""
         if self.pow2 is False:
-            g = self.spec.group_size
-            seg = torch.cat((self.rs[self.others_index].reshape(-1, g), self.acc.reshape(-1, g)))[None]
-            scale = torch.cat((self.sent_scale.reshape(-1), self.red_scale.reshape(-1)))[None]
-            zero = torch.cat((self.sent_zero.reshape(-1), self.red_zero.reshape(-1)))[None]
-            clipped, underflow = A.range_flags(seg, scale, zero, self.spec)
-            A.note_range(bool(clipped), bool(underflow), self.spec.bits, "EchoBuffer.all_reduce (torch stages)")
+            A.note_rank_range((self.rs[self.others_index], self.acc), (self.sent_scale, self.red_scale),
+                              (self.sent_zero, self.red_zero), self.spec, "EchoBuffer.all_reduce (torch stages)")
         if self.pow2:
             torch.mul(self.s_hat_scaled, self.down, out=self.s_hat)
             s_hat = self.s_hat
