@@ -6,10 +6,6 @@
 
 namespace echo {
 
-namespace detail {
-template void launch_owner_reduce_kernel<false>(const OwnerReduceArgs&, cudaStream_t);
-}  // namespace detail
-
 void launch_owner_reduce(const OwnerReduceArgs& a, cudaStream_t stream) {
   using namespace detail;
   ECHO_HOST_ASSERT(a.rank >= 0 && a.rank < a.layout.world_size, "rank out of range");
@@ -22,10 +18,10 @@ void launch_owner_reduce(const OwnerReduceArgs& a, cudaStream_t stream) {
   }
   check_contribution(a.src);
   if (a.num_groups == 0) return;
-  if (is_uncompensated(a.src)) {
-    launch_owner_reduce_kernel<true>(a, stream);  // owner_reduce_uncompensated.cu
-  } else {
-    launch_owner_reduce_kernel<false>(a, stream);
+  if (is_uncompensated(a.src)) {  // owner_reduce_uncompensated.cu
+    ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, launch_owner_reduce_kernel<true, T>(a, stream));
+  } else {  // owner_reduce_<dtype>.cu
+    ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, launch_owner_reduce_kernel<false, T>(a, stream));
   }
 }
 

@@ -86,19 +86,29 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kUncompensated)) own
   }
 }
 
-// Launches the kUncompensated instantiation for the configuration of a (the host checks are the caller's).
-template <bool kUncompensated>
+// Launches the (kUncompensated, T) instantiation for the configuration of a (the host checks are the caller's).
+template <bool kUncompensated, typename T>
 void launch_owner_reduce_kernel(const OwnerReduceArgs& a, cudaStream_t stream) {
-  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+  ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     constexpr int kLanes = kGroup / kElemsPerThread;
     const dim3 grid = grid_of_rows<kLanes>(a.num_groups, 1);
     owner_reduce_kernel<T, kWorld, kBits, kGroup, kUncompensated><<<grid, kThreadsPerBlock, 0, stream>>>(a);
     ECHO_CHECK(cudaGetLastError());
-  }))));
+  })));
 }
 
-extern template void launch_owner_reduce_kernel<true>(const OwnerReduceArgs&, cudaStream_t);
-extern template void launch_owner_reduce_kernel<false>(const OwnerReduceArgs&, cudaStream_t);
+// The compensated kernels build in one translation unit per dtype (owner_reduce_<f32|f16|bf16>.cu), the
+// uncompensated ones in one (owner_reduce_uncompensated.cu), side by side: `extern` here, `template` there.
+#define ECHO_OWNER_REDUCE_KERNELS(kind, kUncompensated, T) \
+  kind template void launch_owner_reduce_kernel<kUncompensated, T>(const OwnerReduceArgs&, cudaStream_t);
+#ifndef ECHO_OWNER_REDUCE_INSTANTIATING
+ECHO_OWNER_REDUCE_KERNELS(extern, true, float)
+ECHO_OWNER_REDUCE_KERNELS(extern, true, __half)
+ECHO_OWNER_REDUCE_KERNELS(extern, true, __nv_bfloat16)
+ECHO_OWNER_REDUCE_KERNELS(extern, false, float)
+ECHO_OWNER_REDUCE_KERNELS(extern, false, __half)
+ECHO_OWNER_REDUCE_KERNELS(extern, false, __nv_bfloat16)
+#endif
 
 }  // namespace detail
 }  // namespace echo

@@ -1,13 +1,8 @@
-// The one-launch p2p all-reduce, host side: checks, the dtype dispatch and the control block (the kernel
-// and its protocol: p2p_all_reduce.cuh). This unit also instantiates the kernel for fp32 x.
+// The one-launch p2p all-reduce, host side: checks, the dispatch over dtype and world size, and the control
+// block (the kernels and their protocol: p2p_all_reduce.cuh; their instantiations: p2p_all_reduce_*_p*.cu).
 #include "p2p_all_reduce.cuh"
 
 namespace echo {
-
-namespace detail {
-template void launch_p2p_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaStream_t);
-template void launch_p2p_plain_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaStream_t);
-}  // namespace detail
 
 namespace {
 // What every launch of the family needs: world size, rank, grid, chunk, control block, error record, flags.
@@ -29,13 +24,15 @@ void launch_p2p_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
   detail::check_contribution(a.src);
   ECHO_HOST_ASSERT(!(a.update_local && a.update_output), "one residual per call");
   ECHO_HOST_ASSERT(!(a.update_local || a.update_output) || a.src.m1 != nullptr, "updating needs the state");
-  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, detail::launch_p2p_all_reduce_kernel<T>(a, stream));
+  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld,
+                      detail::launch_p2p_all_reduce_kernel<T, kWorld>(a, stream)));
 }
 
 void launch_p2p_plain_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
   check_launch(a);
   ECHO_HOST_ASSERT(a.layout.group_size == detail::kPlainGroupSize, "the plain call's groups are kPlainGroupSize");
-  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, detail::launch_p2p_plain_all_reduce_kernel<T>(a, stream));
+  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld,
+                      detail::launch_p2p_plain_all_reduce_kernel<T, kWorld>(a, stream)));
 }
 
 P2PControl* p2p_alloc_control() {

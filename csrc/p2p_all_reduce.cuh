@@ -1,6 +1,6 @@
-// The one-launch kernel (internal to csrc/): three translation units instantiate it, one per dtype
-// (p2p_all_reduce.cu: fp32 and the host entry points; p2p_all_reduce_f16.cu, p2p_all_reduce_bf16.cu), so that
-// its 54 instantiations build in parallel.
+// The one-launch kernel (internal to csrc/): nine translation units instantiate it, one per dtype and world
+// size (p2p_all_reduce_<f32|f16|bf16>_p<2|4|8>.cu, six instantiations each), so that they build in parallel;
+// p2p_all_reduce.cu holds the host entry points.
 //
 // The whole Echo all-reduce of one call in one launch, over peer memory (CUDA IPC): the two-shot shape of
 // echo_api.cuh's three stages with the flags between them inside the kernel.
@@ -594,35 +594,33 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(
   finish_launch(a.control, epoch);
 }
 
-template <typename T>
+template <typename T, int kWorld>
 void launch_p2p_plain_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t stream) {
-  switch (a.layout.world_size) {
-    case 2: p2p_plain_all_reduce_kernel<T, 2><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
-    case 4: p2p_plain_all_reduce_kernel<T, 4><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
-    default: p2p_plain_all_reduce_kernel<T, 8><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
-  }
+  p2p_plain_all_reduce_kernel<T, kWorld><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a);
   ECHO_CHECK(cudaGetLastError());
 }
 
-// Launches the instantiation of T for the configuration of a (the host checks are the caller's).
-template <typename T>
+// Launches the instantiation of (T, kWorld) for the configuration of a (the host checks are the caller's).
+template <typename T, int kWorld>
 void launch_p2p_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t stream) {
   ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
-    switch (a.layout.world_size) {
-      case 2: p2p_all_reduce_kernel<T, 2, kBits, kGroup><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
-      case 4: p2p_all_reduce_kernel<T, 4, kBits, kGroup><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
-      default: p2p_all_reduce_kernel<T, 8, kBits, kGroup><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a); break;
-    }
+    p2p_all_reduce_kernel<T, kWorld, kBits, kGroup><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a);
     ECHO_CHECK(cudaGetLastError());
   }));
 }
 
-extern template void launch_p2p_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaStream_t);
-extern template void launch_p2p_all_reduce_kernel<__half>(const P2PAllReduceArgs&, cudaStream_t);
-extern template void launch_p2p_all_reduce_kernel<__nv_bfloat16>(const P2PAllReduceArgs&, cudaStream_t);
-extern template void launch_p2p_plain_all_reduce_kernel<float>(const P2PAllReduceArgs&, cudaStream_t);
-extern template void launch_p2p_plain_all_reduce_kernel<__half>(const P2PAllReduceArgs&, cudaStream_t);
-extern template void launch_p2p_plain_all_reduce_kernel<__nv_bfloat16>(const P2PAllReduceArgs&, cudaStream_t);
+// One translation unit per (dtype, world size) instantiates both kernels (p2p_all_reduce_<dtype>_p<P>.cu),
+// so that the nine build in parallel: `extern` here, `template` there.
+#define ECHO_P2P_KERNELS(kind, T, P)                                                        \
+  kind template void launch_p2p_all_reduce_kernel<T, P>(const P2PAllReduceArgs&, cudaStream_t); \
+  kind template void launch_p2p_plain_all_reduce_kernel<T, P>(const P2PAllReduceArgs&, cudaStream_t);
+#define ECHO_P2P_EXTERN_KERNELS(T) \
+  ECHO_P2P_KERNELS(extern, T, 2) ECHO_P2P_KERNELS(extern, T, 4) ECHO_P2P_KERNELS(extern, T, 8)
+#ifndef ECHO_P2P_INSTANTIATING
+ECHO_P2P_EXTERN_KERNELS(float)
+ECHO_P2P_EXTERN_KERNELS(__half)
+ECHO_P2P_EXTERN_KERNELS(__nv_bfloat16)
+#endif
 
 }  // namespace detail
 }  // namespace echo

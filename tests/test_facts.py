@@ -18,7 +18,7 @@ from echo_ds import algorithm as A
 from echo_ds import quant as Q
 from echo_ds.config import DirectionConfig
 from echo_ds.ops import kernels as K
-from echo_ds.ops.builder import CSRC_DIR
+from echo_ds.ops.builder import CSRC_DIR, SOURCES
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import protocol as proto
 
@@ -91,10 +91,15 @@ def test_world_sizes_are_the_staged_dispatch():
 
 
 def test_world_sizes_are_the_one_launch_instantiations():
-    launch = source("p2p_all_reduce.cuh")
-    for kernel in ("p2p_all_reduce_kernel", "p2p_plain_all_reduce_kernel"):
-        sizes = sorted({int(p) for p in re.findall(rf"\b{kernel}<T, (\d+)\b", launch)})
-        assert tuple(sizes) == K.KERNEL_WORLD_SIZES, f"{kernel}'s instantiations (csrc/p2p_all_reduce.cuh)"
+    extern = macro(source("p2p_all_reduce.cuh"), "ECHO_P2P_EXTERN_KERNELS")
+    sizes = [int(p) for p in re.findall(r"ECHO_P2P_KERNELS\(extern, T, (\d+)\)", extern)]
+    assert tuple(sizes) == K.KERNEL_WORLD_SIZES, "the one-launch kernels' extern declarations (p2p_all_reduce.cuh)"
+    units = {s for s in SOURCES if s.startswith("p2p_all_reduce_")}
+    assert units == {f"p2p_all_reduce_{d}_p{p}.cu" for d in ("f32", "f16", "bf16") for p in K.KERNEL_WORLD_SIZES}, \
+        "the one-launch kernels' translation units (echo_ds/ops/builder.py SOURCES)"
+    for unit in units:
+        world = int(re.search(r"_p(\d+)\.cu$", unit).group(1))
+        assert re.search(rf"ECHO_P2P_KERNELS\(, \w+, {world}\)", source(unit)), f"{unit} instantiates P = {world}"
     runtime = re.findall(r"world_size == (\d+)", source("echo_binding.cpp"))
     assert tuple(int(p) for p in runtime) == K.KERNEL_WORLD_SIZES, "P2PRuntime's check (csrc/echo_binding.cpp)"
     host = re.findall(r"\bP == (\d+)", source("p2p_all_reduce.cu"))
@@ -177,11 +182,11 @@ def test_residual_and_pow2_codes_are_the_one_launch_calls():
     binding = source("echo_binding.cpp")
     residual_codes = coded_names(binding, "residual")
     assert tuple(residual_codes[c] for c in sorted(residual_codes)) == proto.DESCRIPTOR_RESIDUALS, \
-        "P2PRuntime.all_reduce's residual check (csrc/echo_binding.cpp)"
+        "P2PRuntime.plan's residual check (csrc/echo_binding.cpp)"
     residuals = get_args(DirectionConfig.model_fields["residual"].annotation)
     assert set(proto.DESCRIPTOR_RESIDUALS) == {"none", *residuals}, "echo.<direction>.residual"
     assert [A.pow2_code(m) for m in A.POW2_MODES] == list(range(len(A.POW2_MODES))), "algorithm.pow2_code"
-    assert upper_bound(binding, "pow2") == len(A.POW2_MODES) - 1, "P2PRuntime.all_reduce's pow2 check"
+    assert upper_bound(binding, "pow2") == len(A.POW2_MODES) - 1, "P2PRuntime.plan's pow2 check"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -56,16 +56,17 @@ def kernel_sources_dir() -> Path:
 
 CSRC_DIR = kernel_sources_dir()
 
-# One translation unit per stage, the p2p transport's, plus the torch binding.
+# One translation unit per stage, the p2p transport's (its one-launch kernels: one per dtype and world size),
+# plus the torch binding.
 SOURCES = (
     "push_quantize.cu",
     "owner_reduce.cu",
+    *(f"owner_reduce_{dtype}.cu" for dtype in ("f32", "f16", "bf16")),
     "owner_reduce_uncompensated.cu",
     "dequantize.cu",
     "pow2_amax.cu",
     "p2p_all_reduce.cu",
-    "p2p_all_reduce_f16.cu",
-    "p2p_all_reduce_bf16.cu",
+    *(f"p2p_all_reduce_{dtype}_p{world}.cu" for dtype in ("f32", "f16", "bf16") for world in (2, 4, 8)),
     "p2p_transport.cu",
     "echo_binding.cpp",
 )

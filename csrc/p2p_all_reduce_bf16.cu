@@ -1,9 +1,0 @@
-// The one-launch kernel for __nv_bfloat16 x (p2p_all_reduce.cuh).
-#include "p2p_all_reduce.cuh"
-
-namespace echo {
-namespace detail {
-template void launch_p2p_all_reduce_kernel<__nv_bfloat16>(const P2PAllReduceArgs&, cudaStream_t);
-template void launch_p2p_plain_all_reduce_kernel<__nv_bfloat16>(const P2PAllReduceArgs&, cudaStream_t);
-}  // namespace detail
-}  // namespace echo
