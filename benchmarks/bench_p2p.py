@@ -428,7 +428,7 @@ def sweep_body(rank, world_size, args):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
     P = world_size
-    max_numel = args["max_bytes"] // 2
+    max_numel = max(args["max_bytes"], args.get("workspace_bytes") or 0) // 2
     specs = [QuantSpec(bits, args["group_size"], args["quantizer"], rotation=args["rotation"] == "hadamard")
              for bits in args["bits"]]
     spec = specs[0]
@@ -664,6 +664,10 @@ def main(argv=None):
     ap.add_argument("--max-bytes-at", default="",
                     help="a smaller --max-bytes for some world sizes, e.g. 8:268435456 (P = 8 up to the size that fits "
                          "when its ranks share one GPU); comma-separated P:bytes")
+    ap.add_argument("--workspace-bytes", type=int, default=0,
+                    help="size the workspace for messages of this many bf16 bytes when larger than --max-bytes (the "
+                         "16-bit call moves 2 bytes an element, twice the 8-bit codes the workspace is sized for: "
+                         "at the workspace's own size it takes two launches)")
     ap.add_argument("--factor", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -703,7 +707,7 @@ def main(argv=None):
     from echo_ds.p2p.buffer import kDefaultTileBytes
 
     cfg = {"min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor, "warmup": args.warmup,
-           "iters": args.iters, "stages": args.stages.split(","), "graph_reps": args.graph_reps, "rotation": args.rotation,
+           "iters": args.iters, "workspace_bytes": args.workspace_bytes, "stages": args.stages.split(","), "graph_reps": args.graph_reps, "rotation": args.rotation,
            "quantizer": args.quantizer, "group_size": args.group_size, "bits": [int(b) for b in args.bits.split(",")],
            "pow2": {"false": False, "true": True, "auto": "auto"}[args.pow2], "check_max_bytes": args.check_max_bytes,
            "state_dtype": args.state_dtype,

@@ -1,13 +1,16 @@
 // The torch-facing layer: every tensor is checked here (TORCH_CHECK) and turned into raw pointers for
-// echo_api.cuh. Outputs are always passed in (they may be views of a peer's memory); nothing is allocated.
+// echo_api.cuh. Outputs are passed in (they may be views of a peer's memory), except the one-launch call's
+// result (P2PRuntime::call allocates it, as a torch op would, on the caller's stream).
 //
-// The stream is passed in as its raw handle (torch.cuda.current_stream().cuda_stream), and the caller
-// makes the tensors' device current: this file then needs no CUDA headers of torch, so it compiles
-// against any torch build (CI compiles it against the CPU wheel).
+// The stream is passed in as its raw handle (torch.cuda.current_stream().cuda_stream), or, for
+// P2PRuntime::call, taken from torch's device-generic stream registry; the caller makes the tensors' device
+// current: this file then needs no CUDA headers of torch, so it compiles against any torch build (CI
+// compiles it against the CPU wheel).
 //
 // Tables of quantized segments are three lists of P tensors (codes uint8, scales fp16, zeros fp16); an
 // entry with no elements stands for "none" (the rank's own segment, or a destination not written).
 #include <torch/extension.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <optional>
@@ -199,6 +202,31 @@ CompensatorCoeffs make_coeffs(const std::vector<double>& c) {
 
 const float* opt_scalar(const OptTensor& t, const char* name) { return present(t) ? scalar_f32(*t, name) : nullptr; }
 
+// The state (m1, m2, exponent), in any stored format (state_format), into s: checked against the layout l of
+// the call (every array covers the padded message); absent m1: no state.
+void bind_state(echo::Contribution& s, const OptTensor& m1, const OptTensor& m2, const OptTensor& exponent,
+                const Layout& l) {
+  s.m1 = s.m2 = nullptr;
+  s.exponent = nullptr;
+  if (!present(m1)) return;
+  const int64_t padded = echo::padded_numel(l);
+  s.state = state_format(m1, m2, exponent);
+  const at::ScalarType dtype = m1->scalar_type();
+  s.m1 = opt_state_array(m1, "m1", dtype, padded);
+  s.m2 = opt_state_array(m2, "m2", dtype, padded);
+  const int64_t span = padded * m1->element_size();
+  const auto* a = static_cast<const char*>(s.m1);
+  const auto* b = static_cast<const char*>(s.m2);
+  TORCH_CHECK(b == nullptr || a + span <= b || b + span <= a, "m1 and m2 must not overlap");
+  if (present(exponent)) {
+    check_tensor(*exponent, "exponent");
+    TORCH_CHECK(exponent->scalar_type() == at::kChar, "exponent must be int8, got ", exponent->scalar_type());
+    TORCH_CHECK(exponent->numel() >= padded / l.group_size, "exponent has ", exponent->numel(),
+                " elements, needs one per group: ", padded / l.group_size);
+    s.exponent = exponent->data_ptr<int8_t>();
+  }
+}
+
 // r' = rotate(x) + c of this rank (echo::Contribution); x is checked by the caller and l is its layout.
 // update_state: the stage folds its residual into the state in place. The state (m1, m2, exponent) is in any
 // stored format (state_format).
@@ -206,7 +234,6 @@ echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, c
                                      const OptTensor& exponent, bool update_state, const std::vector<double>& coeffs,
                                      const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
                                      const Layout& l) {
-  const int64_t padded = echo::padded_numel(l);
   TORCH_CHECK(present(m1) || (!present(m2) && !present(exponent)), "m2 and exponent come with m1");
   TORCH_CHECK(!present(m1) || !coeffs.empty(), "compensating from the state needs coeffs");
   TORCH_CHECK(!update_state || present(m1), "update_state needs the state (m1, m2)");
@@ -214,23 +241,7 @@ echo::Contribution make_contribution(const at::Tensor& x, const OptTensor& m1, c
   s.x = x.data_ptr();
   s.x_dtype = dtype_of(x, "x");
   s.update_state = update_state ? 1 : 0;
-  if (present(m1)) {
-    s.state = state_format(m1, m2, exponent);
-    const at::ScalarType dtype = m1->scalar_type();
-    s.m1 = opt_state_array(m1, "m1", dtype, padded);
-    s.m2 = opt_state_array(m2, "m2", dtype, padded);
-    const int64_t span = padded * m1->element_size();
-    const auto* a = static_cast<const char*>(s.m1);
-    const auto* b = static_cast<const char*>(s.m2);
-    TORCH_CHECK(b == nullptr || a + span <= b || b + span <= a, "m1 and m2 must not overlap");
-    if (present(exponent)) {
-      check_tensor(*exponent, "exponent");
-      TORCH_CHECK(exponent->scalar_type() == at::kChar, "exponent must be int8, got ", exponent->scalar_type());
-      TORCH_CHECK(exponent->numel() >= padded / l.group_size, "exponent has ", exponent->numel(),
-                  " elements, needs one per group: ", padded / l.group_size);
-      s.exponent = exponent->data_ptr<int8_t>();
-    }
-  }
+  bind_state(s, m1, m2, exponent, l);
   s.coeffs = make_coeffs(coeffs);
   s.hadamard = make_hadamard(hadamard_signs, hadamard_norm, l.group_size);
   return s;
@@ -348,9 +359,10 @@ class P2PRuntime {
  public:
   P2PRuntime(int64_t rank, int64_t world_size, const std::vector<int64_t>& codes, const std::vector<int64_t>& params,
              const std::vector<int64_t>& flags, int64_t code_half_bytes, int64_t param_half_bytes,
-             int64_t error_record, int64_t timeout_ns, int64_t max_blocks, int64_t staged_poisoned)
+             int64_t error_record, int64_t error_record_host, int64_t timeout_ns, int64_t max_blocks,
+             int64_t staged_poisoned, int64_t device)
       : rank_(rank), world_size_(world_size), code_half_(code_half_bytes), param_half_(param_half_bytes),
-        timeout_ns_(timeout_ns) {
+        timeout_ns_(timeout_ns), device_(static_cast<c10::DeviceIndex>(device)) {
     TORCH_CHECK(world_size == 2 || world_size == 4 || world_size == 8,
                 "P2PRuntime: the one-launch transport is built for 2, 4 or 8 ranks, got ", world_size);
     check_rank(rank, world_size, "P2PRuntime");
@@ -364,11 +376,13 @@ class P2PRuntime {
       params_[j] = reinterpret_cast<uint8_t*>(params[j]);
       flags_[j] = reinterpret_cast<echo::P2PFlags*>(flags[j]);
     }
-    TORCH_CHECK(error_record != 0, "P2PRuntime: the error record is required");
+    TORCH_CHECK(error_record != 0 && error_record_host != 0,
+                "P2PRuntime: the error record is required (its device and host addresses)");
     TORCH_CHECK(timeout_ns > 0, "P2PRuntime: timeout_ns must be positive");
     TORCH_CHECK(max_blocks >= 1 && max_blocks <= echo::kP2PMaxBlocks, "P2PRuntime: max_blocks must be in [1, ",
                 echo::kP2PMaxBlocks, "], got ", max_blocks);
     error_ = reinterpret_cast<echo::P2PErrorRecord*>(error_record);
+    error_host_ = reinterpret_cast<const volatile echo::P2PErrorRecord*>(error_record_host);
     TORCH_CHECK(staged_poisoned % 4 == 0, "P2PRuntime: staged_poisoned must be 0 or a 4-byte aligned address");
     staged_poisoned_ = reinterpret_cast<uint32_t*>(staged_poisoned);
     max_blocks_ = max_blocks;
@@ -390,27 +404,28 @@ class P2PRuntime {
     }
   }
 
-  // y = the Echo all-reduce of x over the group (same bits as echo_ds.reference). residual: 0 none (no
-  // state), 1 "local", 2 "output"; (m1, m2, exponent) the state in its stored format (make_contribution),
-  // padded length, when residual != 0.
-  void all_reduce(const at::Tensor& x, const at::Tensor& y, const OptTensor& m1, const OptTensor& m2,
-                  const OptTensor& exponent, const std::vector<double>& coeffs, int64_t residual, int64_t pow2,
-                  int64_t group_size, int64_t bits,
-                  int64_t quantizer, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
-                  int64_t descriptor, int64_t stream) {
+  // The plan of calls like (x, m1, m2, exponent) with these arguments (issue 31, "plans built once"): the
+  // layout, the chunks, the slot tables, the flags, the Hadamard table, the coefficients and the descriptor,
+  // checked and built here once; call() binds a call's tensors to it. Returns its index. residual: 0 none (no
+  // state), 1 "local", 2 "output"; (m1, m2, exponent) the state in its stored format (bind_state), padded
+  // length, when residual != 0.
+  int64_t plan(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& exponent,
+               const std::vector<double>& coeffs, int64_t residual, int64_t pow2, int64_t group_size, int64_t bits,
+               int64_t quantizer, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
+               int64_t descriptor) {
     TORCH_CHECK(control_ != nullptr, "P2PRuntime: closed");
     TORCH_CHECK(descriptor >= 0 && descriptor <= 0xffffffffLL, "descriptor must be a 32-bit value");
     check_tensor(x, "x");
-    check_tensor(y, "y");
-    check_like(y, "y", x, "x", "P2PRuntime");
+    TORCH_CHECK(x.get_device() == device_, "P2PRuntime: x is on cuda:", x.get_device(), ", the runtime on cuda:",
+                static_cast<int>(device_));
     TORCH_CHECK(residual >= 0 && residual <= 2, "residual must be 0 (none), 1 (local) or 2 (output)");
     TORCH_CHECK(pow2 >= 0 && pow2 <= 2, "pow2 must be 0 (never), 1 (always) or 2 (auto)");
     TORCH_CHECK((residual != 0) == present(m1), "the state (m1, m2) comes with a residual, and only then");
     check_bits(bits);
-    echo::P2PAllReduceArgs a{};
+    Plan p{};
+    echo::P2PAllReduceArgs& a = p.args;
     a.layout = make_layout(x.numel(), world_size_, group_size);
     a.src = make_contribution(x, m1, m2, exponent, false, coeffs, hadamard_signs, hadamard_norm, a.layout);
-    a.out = y.data_ptr();
     a.rank = static_cast<int32_t>(rank_);
     a.bits = static_cast<int32_t>(bits);
     a.quantizer = quantizer_of(quantizer);
@@ -418,9 +433,71 @@ class P2PRuntime {
     a.update_output = residual == 2;
     a.pow2 = static_cast<int32_t>(pow2);
     a.descriptor = static_cast<uint32_t>(descriptor);
-    launch_chunks(a, echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits)),
-                  echo::launch_p2p_all_reduce, stream);
+    p.chunk_groups = prepare_chunks(a, echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits)));
+    p.numel = x.numel();
+    p.dtype = x.scalar_type();
+    p.state = residual != 0;
+    if (p.state) {
+      p.state_dtype = m1->scalar_type();
+      p.with_m2 = present(m2);
+      p.with_exponent = present(exponent);
+      p.padded = echo::padded_numel(a.layout);
+      p.exponent_numel = p.padded / a.layout.group_size;
+    }
+    plans_.push_back(p);
+    return static_cast<int64_t>(plans_.size()) - 1;
   }
+
+  // y = the Echo all-reduce of x over the group by plan `index` (same bits as echo_ds.reference), on the
+  // current stream of x's device. None, with nothing launched, where the Python side must act first: the
+  // runtime is closed; a wait of this group has failed (the error record holds a code); for a call without
+  // rescaling, the kernels counted range events the host has not folded yet (set_range_seen); or x or the
+  // state are not as plan() saw them (dtype, size, device, contiguity, stored format: a compensator's state
+  // not allocated yet, or reallocated). No exception on the fast path: the caller raises the named error.
+  py::object call(int64_t index, const at::Tensor& x, const OptTensor& m1, const OptTensor& m2,
+                  const OptTensor& exponent) {
+    if (control_ == nullptr || index < 0 || index >= static_cast<int64_t>(plans_.size()) || error_host_->code != 0) {
+      return py::none();
+    }
+    const Plan& p = plans_[index];
+    if (p.args.pow2 == 0 && (error_host_->clipped_calls != seen_clipped_ || error_host_->underflow_calls != seen_underflow_)) {
+      return py::none();
+    }
+    if (!(x.is_cuda() && x.get_device() == device_ && x.is_contiguous() && x.scalar_type() == p.dtype &&
+          x.numel() == p.numel)) {
+      return py::none();
+    }
+    echo::P2PAllReduceArgs a = p.args;
+    a.src.x = x.data_ptr();
+    if (p.state) {
+      a.src.m1 = state_array(m1, p.state_dtype, p.padded);
+      a.src.m2 = p.with_m2 ? state_array(m2, p.state_dtype, p.padded) : nullptr;
+      a.src.exponent = p.with_exponent ? static_cast<int8_t*>(state_array(exponent, at::kChar, p.exponent_numel, 1))
+                                       : nullptr;
+      if (a.src.m1 == nullptr || (p.with_m2 && (a.src.m2 == nullptr || a.src.m2 == a.src.m1)) ||
+          (p.with_exponent && a.src.exponent == nullptr) || (!p.with_m2 && present(m2)) ||
+          (!p.with_exponent && present(exponent))) {
+        return py::none();
+      }
+    } else if (present(m1) || present(m2) || present(exponent)) {
+      return py::none();
+    }
+    at::Tensor y = at::empty_like(x);
+    a.out = y.data_ptr();
+    const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(x.device());
+    launch_prepared(a, p.chunk_groups, echo::launch_p2p_all_reduce, static_cast<cudaStream_t>(stream.native_handle()));
+    return py::cast(y);
+  }
+
+  // The range counters of the error record that the host has folded (call() returns None while they differ).
+  void set_range_seen(int64_t clipped, int64_t underflow) {
+    seen_clipped_ = static_cast<uint32_t>(clipped);
+    seen_underflow_ = static_cast<uint32_t>(underflow);
+  }
+
+  // Forget every plan (the Python side's cache was cleared: their indices are no longer held).
+  void clear_plans() { plans_.clear(); }
+  int64_t num_plans() const { return static_cast<int64_t>(plans_.size()); }
 
   // y = the sum of x over the group without quantization (the 16-bit baseline: the fp32 sum in rank order,
   // rounded once to x's dtype; echo_api.cuh, launch_p2p_plain_all_reduce), through the same protocol.
@@ -437,8 +514,8 @@ class P2PRuntime {
     a.out = y.data_ptr();
     a.rank = static_cast<int32_t>(rank_);
     a.descriptor = static_cast<uint32_t>(descriptor);
-    launch_chunks(a, kPlainGroupSize * static_cast<int64_t>(x.element_size()), echo::launch_p2p_plain_all_reduce,
-                  stream);
+    const int64_t chunk_groups = prepare_chunks(a, kPlainGroupSize * static_cast<int64_t>(x.element_size()));
+    launch_prepared(a, chunk_groups, echo::launch_p2p_plain_all_reduce, as_stream(stream));
   }
 
   int64_t max_blocks() const { return max_blocks_; }
@@ -446,14 +523,13 @@ class P2PRuntime {
  private:
   static constexpr int64_t kPlainGroupSize = 256;  // echo::detail::kPlainGroupSize (the launcher checks it)
 
-  // The slots, flags, grid and chunks of a call whose groups take group_code_bytes each in a slot, then its
-  // launches. The slots hold chunk_groups groups of every segment: all G where the workspace holds the
+  // The slots, flags and grid of a call whose groups take group_code_bytes each in a slot, into a; returns the
+  // groups of one chunk (launch_prepared). The slots hold chunk_groups groups of every segment: all G where the workspace holds the
   // message (one launch), else the most it holds, one launch per chunk, on the same stream, each a call of
   // the protocol (its own epoch; slots reused as by back-to-back calls). Inside one launch a chunk loop
   // kept the kernel's values live across it and spilled at 128 registers (docs/p2p.md, "One launch per
   // call").
-  template <typename Launch>
-  void launch_chunks(echo::P2PAllReduceArgs& a, int64_t group_code_bytes, Launch launch, int64_t stream) {
+  int64_t prepare_chunks(echo::P2PAllReduceArgs& a, int64_t group_code_bytes) const {
     const int64_t G = a.layout.groups_per_segment;
     const int64_t code_room = code_half_ / world_size_ / 256 * 256;  // one slot's bytes, 256-aligned
     const int64_t param_room = param_half_ / world_size_ / 256 * 256;
@@ -485,16 +561,50 @@ class P2PRuntime {
     const int64_t per_block = 4096 / a.layout.group_size;  // groups of one block item (256 threads, g / 16 lanes a group)
     const int64_t wanted = (chunk_groups + per_block - 1) / per_block;
     a.num_blocks = static_cast<int32_t>(wanted < max_blocks_ ? wanted : max_blocks_);
+    return chunk_groups;
+  }
+
+  // The launches of a prepared call, one per chunk of chunk_groups groups, on `stream`.
+  template <typename Launch>
+  static void launch_prepared(echo::P2PAllReduceArgs& a, int64_t chunk_groups, Launch launch, cudaStream_t stream) {
+    const int64_t G = a.layout.groups_per_segment;
     for (int64_t begin = 0; begin < G; begin += chunk_groups) {
       a.chunk_begin = begin;
       a.chunk_groups = std::min(chunk_groups, G - begin);
-      launch(a, as_stream(stream));
+      launch(a, stream);
     }
   }
 
   static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+  // What plan() fixed of a call: its arguments but x, the state and y.
+  struct Plan {
+    echo::P2PAllReduceArgs args;
+    int64_t chunk_groups;
+    int64_t numel;
+    at::ScalarType dtype;
+    bool state;  // the state's stored format, as bind_state checked it (residual != 0):
+    at::ScalarType state_dtype;
+    bool with_m2, with_exponent;
+    int64_t padded, exponent_numel;
+  };
+
+  // One state array as plan() checked its kind (bind_state): on the runtime's device, contiguous, of `dtype`,
+  // at least `numel` elements, `align`-byte aligned; else null.
+  void* state_array(const OptTensor& t, at::ScalarType dtype, int64_t numel, int64_t align = 16) const {
+    if (!present(t) || !t->is_cuda() || t->get_device() != device_ || !t->is_contiguous() || t->scalar_type() != dtype ||
+        t->numel() < numel) {
+      return nullptr;
+    }
+    void* data = t->data_ptr();
+    return reinterpret_cast<uintptr_t>(data) % align == 0 ? data : nullptr;
+  }
+
   int64_t rank_, world_size_, code_half_, param_half_, timeout_ns_, max_blocks_ = 1;
+  c10::DeviceIndex device_ = 0;
+  std::vector<Plan> plans_;
+  const volatile echo::P2PErrorRecord* error_host_ = nullptr;  // the record's host mapping (its words, no sync)
+  uint32_t seen_clipped_ = 0, seen_underflow_ = 0;
   uint8_t* codes_[echo::kMaxWorldSize] = {};
   uint8_t* params_[echo::kMaxWorldSize] = {};
   echo::P2PFlags* flags_[echo::kMaxWorldSize] = {};
@@ -681,14 +791,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hadamard_norm"), py::arg("coeffs"), py::arg("stream"));
   py::class_<P2PRuntime>(m, "P2PRuntime")
       .def(py::init<int64_t, int64_t, const std::vector<int64_t>&, const std::vector<int64_t>&,
-                    const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(),
+                    const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                    int64_t>(),
            py::arg("rank"), py::arg("world_size"), py::arg("codes"), py::arg("params"), py::arg("flags"),
-           py::arg("code_half_bytes"), py::arg("param_half_bytes"), py::arg("error_record"), py::arg("timeout_ns"),
-           py::arg("max_blocks"), py::arg("staged_poisoned") = 0)
-      .def("all_reduce", &P2PRuntime::all_reduce, py::arg("x"), py::arg("y"), py::arg("m1"), py::arg("m2"),
-           py::arg("exponent"), py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
-           py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),
-           py::arg("stream"))
+           py::arg("code_half_bytes"), py::arg("param_half_bytes"), py::arg("error_record"),
+           py::arg("error_record_host"), py::arg("timeout_ns"), py::arg("max_blocks"), py::arg("staged_poisoned"),
+           py::arg("device"))
+      .def("plan", &P2PRuntime::plan, py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("exponent"),
+           py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
+           py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"))
+      .def("call", &P2PRuntime::call, py::arg("plan"), py::arg("x"), py::arg("m1") = py::none(),
+           py::arg("m2") = py::none(), py::arg("exponent") = py::none())
+      .def("set_range_seen", &P2PRuntime::set_range_seen, py::arg("clipped"), py::arg("underflow"))
+      .def("clear_plans", &P2PRuntime::clear_plans)
+      .def_property_readonly("num_plans", &P2PRuntime::num_plans)
       .def("plain_all_reduce", &P2PRuntime::plain_all_reduce, py::arg("x"), py::arg("y"), py::arg("descriptor"),
            py::arg("stream"))
       .def("close", &P2PRuntime::close)

@@ -177,6 +177,13 @@ class Compensator:
         self.revealed_error_norms: List[float] = []
 
     @property
+    def kernel_key(self) -> tuple:
+        """What a kernel's plan of calls with this compensator fixes (echo_ds.p2p.EchoBuffer keys its plans by it):
+        residual, telemetry, state_dtype, then the seven coefficients in the kernels' order."""
+        return (self.residual, self.telemetry, self.state_dtype, self.gain, self.blend, self.one_minus_blend,
+                self.slow_decay, self.one_minus_slow, self.fast_decay, self.one_minus_fast)
+
+    @property
     def state_names(self) -> tuple:
         """The attributes holding the state under this ``state_dtype``, in the custom op's order."""
         return kStateNames[self.state_dtype]

@@ -275,6 +275,37 @@ def check_chunked(rank, P, device, cfg):
     return num
 
 
+def check_plans(buf, rank, P, device, n=5000):
+    """The one-launch plans (P2PRuntime.plan: built once per call key, coefficients and descriptor included):
+    compensators of two configurations that differ only in their coefficients, interleaved at one site and size;
+    a fresh compensator of the first configuration (no state yet: the runtime refuses the call, the buffer
+    allocates the state and calls again); and a reset mid-way. Every output and state is the emulator's."""
+    spec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
+    cfgs = {"a": DirectionConfig(gain=0.9), "b": DirectionConfig(gain=0.5, blend=0.25)}
+    comps = {k: (make_compensator(c), make_compensator(c)) for k, c in cfgs.items()}
+    num = 0
+    for call, which in enumerate("ababa" + "c" + "ab"):
+        if which == "c":  # a new compensator of configuration "a", then the rest goes on with it
+            comps["a"] = (make_compensator(cfgs["a"]), make_compensator(cfgs["a"]))
+            which = "a"
+        if call == 7:
+            for c in comps["b"]:
+                c.reset()
+        comp, comp_emul = comps[which]
+        parts = parts_for(P, n, torch.bfloat16, 8100 + call, device)
+        y = buf.all_reduce(parts[rank], spec, compensator=comp, pow2_rescale=False, site=3)
+        expected = spec_on_device(parts, spec, comp_emul, False)
+        buf.synchronize()
+        what = f"plans: call {call} with compensator {which!r}: rank {rank}"
+        assert same_bits(y, expected), f"{what}: output differs from the emulator"
+        assert same_state(comp, comp_emul, rank), f"{what}: state differs from the emulator's"
+        num += 1
+    if buf._runtime is not None:
+        keys = [k for k in buf._plans if k[1] == n and k[6] == 3]
+        assert len(keys) == 2, f"one plan per coefficient set, got {len(keys)}"
+    return num
+
+
 def check_state_formats(buf, rank, P, device, n=4097):
     """Compensators that store their state in each format, named ("int4", "int8", "bf16": the other checks
     hold the default), on whatever path the buffer runs (the one launch, the staged kernels, the torch
@@ -464,6 +495,9 @@ def suite(rank, world_size, cfg):
         log(rank, f"P={P}: {n_narrow} calls with an int4 or int8 state chunk by chunk: outputs and states "
                   f"bit-identical to the emulator's")
     if cuda and buf._runtime is not None:
+        n_plans = check_plans(buf, rank, P, device)
+        log(rank, f"P={P}: {n_plans} calls by the runtime's plans (two coefficient sets at one site, a new "
+                  f"compensator, a reset): outputs and states bit-identical to the emulator's")
         n_plain = check_plain(buf, rank, P, device)
         log(rank, f"P={P}: {n_plain} unquantized calls (plain_all_reduce: 3 dtypes, 1 element to 1 M, NaN, fp16 "
                   f"saturation) bit-identical to the rank-order fp32 sum and across ranks")

@@ -224,10 +224,10 @@ def kernel_state(compensator) -> dict:
     if compensator is None:
         return {}
     return {arg: None if name is None else getattr(compensator, name)
-            for arg, name in zip(("m1", "m2", "exponent"), _kernel_state_names(compensator.state_dtype))}
+            for arg, name in zip(("m1", "m2", "exponent"), kernel_state_names(compensator.state_dtype))}
 
 
-def _kernel_state_names(state_dtype: str) -> tuple:
+def kernel_state_names(state_dtype: str) -> tuple:
     """The compensator's tensor names behind the kernels' (m1, m2, exponent) (None: not passed)."""
     names = kStateTensorDtypes[state_dtype]
     if "q" in names:  # int4: the packed bytes of both averages stand in m1's place
@@ -237,7 +237,7 @@ def _kernel_state_names(state_dtype: str) -> tuple:
 
 # The dtypes of (m1, m2, exponent) of each stored format, as kernel_state gives them (from the compensator's
 # declaration of its tensors, echo_ds.compensator.kStateTensorDtypes).
-_STATE_ARG_DTYPES = {fmt: tuple(None if n is None else kStateTensorDtypes[fmt][n] for n in _kernel_state_names(fmt))
+_STATE_ARG_DTYPES = {fmt: tuple(None if n is None else kStateTensorDtypes[fmt][n] for n in kernel_state_names(fmt))
                      for fmt in kStateTensorDtypes}
 
 

@@ -40,7 +40,7 @@ import logging
 import os
 import socket
 import weakref
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,16 @@ def _call_descriptor(x: torch.Tensor, spec: QuantSpec, compensator, pow2, site, 
         quantizer=spec.quantizer, rotation=spec.rotation, pow2=pow2,
         residual="none" if compensator is None else compensator.residual, site=site, direction=direction,
         state_dtype=_state_dtype(compensator))
+
+
+class _OneLaunchPlan(NamedTuple):
+    """index: of the runtime's plan (P2PRuntime.plan); bits: for the range events' warning; state_shape: of the
+    compensator's state; state_names: the compensator's tensors in the kernels' (m1, m2, exponent) places."""
+
+    index: int
+    bits: int
+    state_shape: tuple
+    state_names: tuple
 
 
 def _default_timeout() -> float:
@@ -327,8 +337,8 @@ class EchoBuffer:
         self._owned_runtime = ext.P2PRuntime(
             self.rank, P, [t.peer_ptr[j]["codes"] for j in range(P)], [t.peer_ptr[j]["params"] for j in range(P)],
             [t.peer_ptr[j]["signals"] + L.kFusedFlagsOffset for j in range(P)], self.capacity.code_bytes // 2,
-            self.capacity.param_bytes // 2, t.error_dev_ptr, t.timeout_ns, cap,
-            t.control_ptr + t.layout["control.poisoned"])
+            self.capacity.param_bytes // 2, t.error_dev_ptr, t.error_host_ptr, t.timeout_ns, cap,
+            t.control_ptr + t.layout["control.poisoned"], self.device.index)
         # stages "kernels" / "torch" keep the runtime for the staged calls' descriptor gate only
         self._runtime = self._owned_runtime if self.stages in ("auto", "fused") else None
         self._gate_x = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -468,6 +478,8 @@ class EchoBuffer:
         if counts != self._range_seen:
             (clipped, underflow), (seen_c, seen_u) = counts, self._range_seen
             self._range_seen = counts
+            if self._owned_runtime is not None:
+                self._owned_runtime.set_range_seen(*counts)  # its calls go on launching (P2PRuntime.call)
             A.note_range(clipped - seen_c, underflow - seen_u, self._range_bits, "EchoBuffer.all_reduce")
 
     def would_use_p2p(self, x: torch.Tensor, spec: QuantSpec, compensator=None) -> policy.Decision:
@@ -513,12 +525,10 @@ class EchoBuffer:
         plan = None
         if self._runtime is not None:  # the one-launch fast path: one dict lookup, then the call
             key = (x.dtype, x.numel(), x.device, spec, pow2_rescale,
-                   None if compensator is None else (compensator.residual, compensator.telemetry,
-                                                     _state_dtype(compensator)), site, direction)
+                   None if compensator is None else compensator.kernel_key, site, direction)
             plan = self._plans.get(key)
             if plan is not None and not self.closed and not (x.requires_grad and torch.is_grad_enabled()):
-                self.check()
-                return self._one_launch(x, plan, compensator)
+                return self._one_launch(x, plan, compensator)  # checks the error record in C++
         if not x.is_floating_point():
             raise TypeError(f"all_reduce expects a floating-point tensor, got {x.dtype}")
         check_differentiable_input(x, "EchoBuffer.all_reduce")
@@ -537,10 +547,11 @@ class EchoBuffer:
         # Without rescaling, the one-launch call at any size: its kernel counts the range events (issue 35).
         if self._runtime is not None and (x.numel() * x.element_size() <= self.one_launch_max_bytes
                                           or pow2_rescale is False or not self._fits_staged(x, spec)):
+            if len(self._plans) >= 4096:
+                self._plans.clear()
+                self._runtime.clear_plans()
             plan = self._one_launch_plan(x, spec, compensator, pow2_rescale, site, direction)
             if plan is not None:
-                if len(self._plans) >= 4096:
-                    self._plans.clear()
                 self._plans[key] = plan
                 return self._one_launch(x, plan, compensator)
         if pow2_rescale is False and self._pipeline.stages_for(x, spec) == "kernels":
@@ -609,9 +620,10 @@ class EchoBuffer:
     # ------------------------------------------------------------------------------------------------
 
     def _one_launch_plan(self, x: torch.Tensor, spec: QuantSpec, compensator, pow2, site, direction):
-        """The one-launch call's arguments for calls like this one (None: the kernel does not support it):
-        (state shape, residual code, group size, bits, quantizer code, Hadamard signs and norm,
-        descriptor, pow2 mode code). Only calls the policy accepted get here; the plan is cached by their key."""
+        """The one-launch call's plan for calls like this one (None: the kernel does not support it), built once
+        in the runtime (P2PRuntime.plan: layout, chunks, slots, flags, Hadamard table, coefficients, descriptor):
+        _OneLaunchPlan. Only calls the policy accepted get here; the plan is cached by their key, which holds
+        everything the runtime's plan fixed (the compensator's coefficients included: Compensator.kernel_key)."""
         from echo_ds.ops import kernels as K
 
         why = K.unsupported_reason(self.world_size, spec, x.dtype)
@@ -625,34 +637,59 @@ class EchoBuffer:
         descriptor = _call_descriptor(x, spec, compensator, pow2, site, direction)
         layout = A.Layout(x.numel(), self.world_size, spec.group_size)
         state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
-        return (state_shape, proto.DESCRIPTOR_RESIDUALS.index(residual), spec.group_size, spec.bits,
-                K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor, A.pow2_code(pow2))
-
-    def _one_launch(self, x, plan, compensator):
-        state_shape, residual, g, bits, quantizer_code, signs, norm, descriptor, pow2 = plan
-        if pow2 == 0:
-            self._note_range(bits)  # the calls before this one that have finished
-        if not x.is_contiguous():
-            x = x.contiguous()
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
-        self._num_calls += 1
-        if self._fault == (self._num_calls, "exit_after_push"):
-            torch.cuda.synchronize(self.device)
-            os._exit(17)  # tests: a rank dies in the middle of the group's call (its peers wait for it)
-        stream = _raw_stream(self.device)
+        x = x.contiguous()
         if compensator is None:
-            self._runtime.all_reduce(x, y, None, None, None, [], 0, pow2, g, bits, quantizer_code, signs, norm,
-                                     descriptor, stream)
-            return y
+            index = self._runtime.plan(x, None, None, None, [], 0, A.pow2_code(pow2), spec.group_size, spec.bits,
+                                       K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor)
+            return _OneLaunchPlan(index, spec.bits, state_shape, (None, None, None))
         c = compensator
         c._ensure(state_shape, self.device)
-        coeffs = [c.gain, c.blend, c.one_minus_blend, c.slow_decay, c.one_minus_slow, c.fast_decay,
-                  c.one_minus_fast]
         state = kernel_state(c)
-        self._runtime.all_reduce(x, y, state["m1"], state["m2"], state["exponent"], coeffs, residual, pow2, g, bits,
-                                 quantizer_code, signs, norm, descriptor, stream)
-        c.num_calls += 1  # as Compensator.update does; the kernel updated the state
+        index = self._runtime.plan(x, state["m1"], state["m2"], state["exponent"], list(c.kernel_key[3:]),
+                                   proto.DESCRIPTOR_RESIDUALS.index(residual), A.pow2_code(pow2), spec.group_size,
+                                   spec.bits, K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor)
+        return _OneLaunchPlan(index, spec.bits, state_shape, K.kernel_state_names(c.state_dtype))
+
+    def _one_launch(self, x, plan, compensator):
+        """The one-launch call by ``plan``: one crossing into the runtime, which checks the error record, allocates
+        y and launches on the current stream, or returns None without launching (_attend)."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        self._num_calls += 1
+        if self._fault is not None and self._fault == (self._num_calls, "exit_after_push"):
+            torch.cuda.synchronize(self.device)
+            os._exit(17)  # tests: a rank dies in the middle of the group's call (its peers wait for it)
+        c = compensator
+        if c is None:
+            y = self._runtime.call(plan.index, x)
+        else:
+            m1, m2, exponent = plan.state_names
+            y = self._runtime.call(plan.index, x, getattr(c, m1), m2 and getattr(c, m2), exponent and getattr(c, exponent))
+        if y is None:
+            y = self._attend(x, plan, c)
+        if c is not None:
+            c.num_calls += 1  # as Compensator.update does; the kernel updated the state
         return y
+
+    def _attend(self, x, plan, c) -> torch.Tensor:
+        """The runtime returned None without launching: a wait of this group failed (check() raises it), the
+        kernels counted range events not folded yet (_note_range folds them), or the compensator's state is
+        missing or of another shape or device (allocated again, as Compensator does). Then the call again;
+        range events of calls still in flight may land in between, hence the bounded loop."""
+        for _ in range(1024):
+            self._note_range(plan.bits)
+            self.check()
+            if c is None:
+                y = self._runtime.call(plan.index, x)
+            else:
+                c._ensure(plan.state_shape, self.device)
+                m1, m2, exponent = plan.state_names
+                y = self._runtime.call(plan.index, x, getattr(c, m1), m2 and getattr(c, m2),
+                                       exponent and getattr(c, exponent))
+            if y is not None:
+                return y
+        raise proto.EchoP2PError("echo p2p: the one-launch call was refused 1024 times with no failure recorded "
+                                 "and no range event left to fold")
 
     # ------------------------------------------------------------------------------------------------
     # Teardown

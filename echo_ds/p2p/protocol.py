@@ -59,7 +59,7 @@ DESCRIPTOR_DTYPES = tuple(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPE
 kOtherGroupSize = "another (in the hash)"
 DESCRIPTOR_GROUP_SIZES = SUPPORTED_GROUP_SIZES + (kOtherGroupSize,)
 DESCRIPTOR_QUANTIZERS = QUANTIZERS
-# Also the residual argument of the one-launch call (P2PRuntime.all_reduce: 0 none, 1 "local", 2 "output").
+# Also the residual argument of the one-launch call (P2PRuntime.plan: 0 none, 1 "local", 2 "output").
 DESCRIPTOR_RESIDUALS = ("none", "local", "output")
 DESCRIPTOR_POW2 = POW2_MODES
 # The compensator's stored state format (echo_ds.compensator, "Storage"; "bf16" also for a call without one).

@@ -131,6 +131,7 @@ class CudaTransport:
             self._own.append(self.control_ptr)
             D.memset_u8(self.control_ptr, 0, self.layout["control_bytes"])
             self._host_record, self.error_dev_ptr = D.host_alloc_mapped(self.layout["error_bytes"])
+            self.error_host_ptr = self._host_record  # the one-launch runtime reads its words (P2PRuntime.call)
             for name in _RECORD_WORDS + _RECORD_EXTRA:
                 word = ctypes.c_uint64 if name == "waited_ns" else ctypes.c_uint32
                 self._record[name] = word.from_address(self._host_record + self.layout["error." + name])

@@ -1,0 +1,47 @@
+#!/bin/bash
+# One GPU call (issue 31): the JIT build with each translation unit's compile time (ninja's log), then the
+# steps of STEPS (default "host latency"):
+#   host     the host time to issue a call, part by part (host_time.py; P = 2 at 64 KiB and 64 MiB, P = 4 at
+#            64 KiB);
+#   latency  the small messages' graph replay beside an empty launch and a flag round trip (bench_p2p.py,
+#            64 KiB at P = 2 and 4, the one launch, a 16 MiB workspace);
+#   suite    the quick p2p suite at P = 2 (SUITE_K, a pytest -k expression: "test_gpu_suite" for P = 2, 4
+#            and 8; tests/test_p2p_gpu.py);
+#   kernels  the stage kernels against the reference (tests/test_kernels_gpu.py).
+#
+#   OUT=/some/dir bash benchmarks/gpu_one_transport.sh
+#
+# Writes to $OUT: build_units.txt, <step>.log, misc.tgz (env.txt, build.log, p2p_log.txt).
+set -u
+OUT=${OUT:-/tmp/one_transport_out}
+STEPS=${STEPS:-host latency}
+source benchmarks/gpu_env.sh
+session_begin "$OUT"
+# ninja's log: start and end (ms since the build started) per output; the slowest unit bounds the build.
+log=$(find "$TORCH_EXTENSIONS_DIR" -name .ninja_log | head -1)
+[ -n "$log" ] && awk 'NR > 1 { printf "%8.1f s  %s\n", ($2 - $1) / 1000, $4 }' "$log" | sort -rn > "$OUT/build_units.txt"
+head -6 "$OUT/build_units.txt" 2>/dev/null
+for s in $STEPS; do
+  case $s in
+    host)
+      { python3 benchmarks/host_time.py --world-size 2 && python3 benchmarks/host_time.py --world-size 4 --sizes 65536; } \
+        > "$OUT/host.log" 2>&1
+      grep -E "^\||host time|pybind" "$OUT/host.log" ;;
+    latency)
+      python3 benchmarks/bench_p2p.py --world-sizes 2,4 --min-bytes 65536 --max-bytes 65536 --workspace-bytes 16777216 --stages fused --bits 4 \
+        --warmup 3 --iters 10 --graph-reps 10 --pingpong 200 --tile-sweep-bytes 0 --copy-bytes 268435456 \
+        > "$OUT/latency.log" 2>&1
+      grep -E "^\|" "$OUT/latency.log" | grep -v "^|---" | head -30 ;;
+    suite)
+      ECHO_P2P_QUICK=1 timeout 290 $PYTEST -m gpu tests/test_p2p_gpu.py -k "${SUITE_K:-test_gpu_suite and 2}" \
+        --timeout 280 > "$OUT/suite.log" 2>&1
+      grep -E "passed|failed|Error" "$OUT/suite.log" | tail -5 ;;
+    kernels)
+      timeout 250 $PYTEST -m gpu tests/test_kernels_gpu.py --timeout 240 > "$OUT/kernels.log" 2>&1
+      grep -E "passed|failed|Error" "$OUT/kernels.log" | tail -5 ;;
+  esac
+  stamp "$s done"
+done
+stop_mps
+(cd "$OUT" && tar czf misc.tgz env.txt build.log p2p_log.txt 2>/dev/null; rm -f env.txt build.log p2p_log.txt)
+stamp "end"
