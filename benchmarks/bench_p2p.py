@@ -331,10 +331,12 @@ def _sweep(buf, rank, P, dev, spec, args):
     def path_of(x):  # the path EchoBuffer.all_reduce takes for x (its stages setting decides per size)
         if buf._runtime is not None and buf._one_launch_serves(spec, x.dtype) and (
                 x.numel() * x.element_size() <= buf.one_launch_max_bytes or not buf._fits_staged(x, spec)):
-            return "one launch"
+            return ("one launch, one-shot" if x.element_size() == 2 and x.numel() <= buf.capacity.shot_numel
+                    else "one launch")
         return "staged kernels" if buf._ops is not None else "staged torch"
 
-    stages = buf.stages
+    stages = buf.stages + (", one-shot off" if buf.one_shot_max_bytes == 0 else
+                           f", one-shot up to {buf.one_shot_max_bytes} B")  # the table's label
     rows = []
     size = args["min_bytes"]
     while size <= args["max_bytes"]:
@@ -413,7 +415,8 @@ def _workspace(buf):
 
     cap = getattr(buf, "capacity", None)
     layout = getattr(getattr(buf, "transport", None), "layout", None)
-    out = {"code_bytes": getattr(cap, "code_bytes", None), "param_bytes": getattr(cap, "param_bytes", None),
+    out = {"code_bytes": getattr(cap, "code_bytes", None), "shot_bytes": getattr(cap, "shot_bytes", 0),
+           "param_bytes": getattr(cap, "param_bytes", None),
            "signal_bytes": L.signal_bytes() if hasattr(L, "signal_bytes") else None,
            "control_bytes": layout.get("control_bytes") if isinstance(layout, dict) else None}
     known = [v for v in out.values() if v is not None]
@@ -434,13 +437,17 @@ def sweep_body(rank, world_size, args):
     spec = specs[0]
     rows = []
     buffers = []
-    for stages in args["stages"]:  # side by side in one run: one buffer per pipeline, one after the other
+    variants = [(stages, shot) for stages in args["stages"] for shot in args.get("one_shot", ["default"])]
+    for stages, shot in variants:  # side by side in one run: one buffer per variant, one after the other
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_allocated(dev)
-        buf = EchoBuffer(max_numel=max_numel, tile_bytes=args["tile_bytes"], stages=stages)
+        buf = EchoBuffer(max_numel=max_numel, tile_bytes=args["tile_bytes"], stages=stages,
+                         one_shot_max_bytes={"off": 0, "default": None}.get(shot, None if shot == "default" else
+                                                                            int(shot) if shot.isdigit() else None))
         assert buf.active, buf.reason
         torch.cuda.synchronize(dev)
-        buffers.append({"stages": stages, "max_numel": max_numel, "workspace": _workspace(buf),
+        buffers.append({"stages": f"{stages}, one-shot {shot}", "max_numel": max_numel,
+                        "workspace": _workspace(buf),
                         "model": BM.workspace_bytes(max_numel, P), "torch_bytes": torch.cuda.memory_allocated(dev) - before})
         for s in specs:
             rows += _sweep(buf, rank, P, dev, s, args)
@@ -668,6 +675,9 @@ def main(argv=None):
                     help="size the workspace for messages of this many bf16 bytes when larger than --max-bytes (the "
                          "16-bit call moves 2 bytes an element, twice the 8-bit codes the workspace is sized for: "
                          "at the workspace's own size it takes two launches)")
+    ap.add_argument("--one-shot", default="default",
+                    help="the one-launch call's one-shot variant, comma-separated: 'default' (EchoBuffer's threshold), "
+                         "'off' (every call two-shot) or a threshold in bytes; one buffer each, side by side")
     ap.add_argument("--factor", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -707,7 +717,7 @@ def main(argv=None):
     from echo_ds.p2p.buffer import kDefaultTileBytes
 
     cfg = {"min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor, "warmup": args.warmup,
-           "iters": args.iters, "workspace_bytes": args.workspace_bytes, "stages": args.stages.split(","), "graph_reps": args.graph_reps, "rotation": args.rotation,
+           "iters": args.iters, "workspace_bytes": args.workspace_bytes, "one_shot": args.one_shot.split(","), "stages": args.stages.split(","), "graph_reps": args.graph_reps, "rotation": args.rotation,
            "quantizer": args.quantizer, "group_size": args.group_size, "bits": [int(b) for b in args.bits.split(",")],
            "pow2": {"false": False, "true": True, "auto": "auto"}[args.pow2], "check_max_bytes": args.check_max_bytes,
            "state_dtype": args.state_dtype,

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 RESIDUALS = ("none", "local", "output")  # "none": no compensator (uncompensated call)
 kStateBytesPerElement = 4  # m1 and m2, bf16 each (echo_ds.compensator.kStateDtype)
@@ -231,17 +231,23 @@ def floor_seconds(calls_bytes: float, copy_bytes_per_second: float) -> float:
 # Device memory of one rank
 # ----------------------------------------------------------------------------------------------------
 
-def workspace_bytes(max_numel: int, world_size: int, min_group_size: int = 16) -> Dict[str, int]:
+def workspace_bytes(max_numel: int, world_size: int, min_group_size: int = 16,
+                    one_shot_max_bytes: Optional[int] = None) -> Dict[str, int]:
     """The IPC workspace one rank allocates (driver allocations, outside torch's allocator) for messages
     of up to ``max_numel`` elements: EchoBuffer's code and parameter buffers (echo_ds.p2p.layout.Capacity:
     push and gather halves of P slots each, sized for 8-bit codes and fp16 parameters at the smallest group
-    size) and the signal words (EchoP2PSignals and the one-launch flag area). Not included: the transport's
-    control block and the one-launch call's P2PControl (a few hundred bytes), the mapped error record
-    (pinned host memory)."""
+    size), the one-shot regions after the codes (two parities of P senders' regions for messages of up to
+    ``one_shot_max_bytes``, EchoBuffer's default where None) and the signal words (EchoP2PSignals and the
+    one-launch flag area). Not included: the transport's control block and the one-launch call's P2PControl
+    (a few hundred bytes), the mapped error record (pinned host memory)."""
     from echo_ds.p2p import layout as L
+    from echo_ds.p2p import policy
 
-    cap = L.Capacity(world_size, max_numel, min_group_size)
-    out = {"code_bytes": cap.code_bytes, "param_bytes": cap.param_bytes, "signal_bytes": L.signal_bytes()}
+    if one_shot_max_bytes is None:
+        one_shot_max_bytes = policy.one_shot_max_bytes(world_size)
+    cap = L.Capacity(world_size, max_numel, min_group_size, shot_numel=min(max_numel, one_shot_max_bytes // 2))
+    out = {"code_bytes": cap.code_bytes, "shot_bytes": cap.shot_bytes, "param_bytes": cap.param_bytes,
+           "signal_bytes": L.signal_bytes()}
     out["total_bytes"] = sum(out.values())
     return out
 

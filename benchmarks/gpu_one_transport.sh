@@ -5,6 +5,8 @@
 #            64 KiB);
 #   latency  the small messages' graph replay beside an empty launch and a flag round trip (bench_p2p.py,
 #            64 KiB at P = 2 and 4, the one launch, a 16 MiB workspace);
+#   shot     one-shot against two-shot at 64 KiB to 1 MiB, P = 2 and 4, graph replay (bench_p2p.py --one-shot
+#            1048576,off: one-shot up to 1 MiB beside every call two-shot);
 #   suite    the quick p2p suite at P = 2 (SUITE_K, a pytest -k expression: "test_gpu_suite" for P = 2, 4
 #            and 8; tests/test_p2p_gpu.py);
 #   kernels  the stage kernels against the reference (tests/test_kernels_gpu.py).
@@ -32,6 +34,11 @@ for s in $STEPS; do
         --warmup 3 --iters 10 --graph-reps 10 --pingpong 200 --tile-sweep-bytes 0 --copy-bytes 268435456 \
         > "$OUT/latency.log" 2>&1
       grep -E "^\|" "$OUT/latency.log" | grep -v "^|---" | head -30 ;;
+    shot)
+      python3 benchmarks/bench_p2p.py --world-sizes 2,4 --min-bytes 65536 --max-bytes 1048576 --workspace-bytes 16777216 \
+        --stages fused --one-shot 1048576,off --bits 4 --warmup 3 --iters 10 --graph-reps 10 --pingpong 0 \
+        --tile-sweep-bytes 0 --copy-bytes 268435456 > "$OUT/shot.log" 2>&1
+      grep -E "^\|" "$OUT/shot.log" | grep -E "one launch|size \| path" | head -30 ;;
     suite)
       ECHO_P2P_QUICK=1 timeout 290 $PYTEST -m gpu tests/test_p2p_gpu.py -k "${SUITE_K:-test_gpu_suite and 2}" \
         --timeout 280 > "$OUT/suite.log" 2>&1

@@ -308,9 +308,16 @@ struct P2PAllReduceArgs {
   int32_t num_blocks;
   uint32_t descriptor;  // this call's (see P2PFlags)
   // The groups [chunk_begin, chunk_begin + chunk_groups) of every segment: the whole segment where the
-  // workspace holds the message, else one chunk of it per launch (P2PRuntime::all_reduce issues them).
+  // workspace holds the message, else one chunk of it per launch (P2PRuntime::call issues them).
   int64_t chunk_begin;
   int64_t chunk_groups;
+  // One-shot (one_shot 1; small messages, one chunk): every rank reduces every segment itself. shot[d]: rank
+  // d's one-shot region as this process maps it (parity 0; parity 1 follows at kWorld * shot_sender_bytes),
+  // one sub-region of shot_sender_bytes per sender (p2p_all_reduce.cuh, ShotRegion). push_out, reduce_in,
+  // reduce_out and gathered are not used.
+  uint8_t* shot[kMaxWorldSize];
+  int64_t shot_sender_bytes;
+  int32_t one_shot;
 };
 void launch_p2p_all_reduce(const P2PAllReduceArgs& args, cudaStream_t stream);
 // The same call without quantization (the 16-bit baseline): y = the fp32 sum in rank order rounded once to

@@ -360,7 +360,7 @@ class P2PRuntime {
   P2PRuntime(int64_t rank, int64_t world_size, const std::vector<int64_t>& codes, const std::vector<int64_t>& params,
              const std::vector<int64_t>& flags, int64_t code_half_bytes, int64_t param_half_bytes,
              int64_t error_record, int64_t error_record_host, int64_t timeout_ns, int64_t max_blocks,
-             int64_t staged_poisoned, int64_t device)
+             int64_t staged_poisoned, int64_t device, const std::vector<int64_t>& shot, int64_t shot_sender_bytes)
       : rank_(rank), world_size_(world_size), code_half_(code_half_bytes), param_half_(param_half_bytes),
         timeout_ns_(timeout_ns), device_(static_cast<c10::DeviceIndex>(device)) {
     TORCH_CHECK(world_size == 2 || world_size == 4 || world_size == 8,
@@ -386,6 +386,15 @@ class P2PRuntime {
     TORCH_CHECK(staged_poisoned % 4 == 0, "P2PRuntime: staged_poisoned must be 0 or a 4-byte aligned address");
     staged_poisoned_ = reinterpret_cast<uint32_t*>(staged_poisoned);
     max_blocks_ = max_blocks;
+    // The one-shot regions (empty: none): every rank's, 2 parities x P senders x shot_sender_bytes each.
+    TORCH_CHECK(shot.empty() || (static_cast<int64_t>(shot.size()) == world_size && shot_sender_bytes > 0 &&
+                                 shot_sender_bytes % 256 == 0),
+                "P2PRuntime: the one-shot regions need one address per rank and a positive, 256-aligned size");
+    for (size_t j = 0; j < shot.size(); ++j) {
+      TORCH_CHECK(shot[j] != 0 && shot[j] % 256 == 0, "P2PRuntime: rank ", j, "'s one-shot region must be 256-byte aligned");
+      shot_[j] = reinterpret_cast<uint8_t*>(shot[j]);
+    }
+    shot_sender_bytes_ = shot.empty() ? 0 : shot_sender_bytes;
     control_ = echo::p2p_alloc_control();
   }
   ~P2PRuntime() {
@@ -412,7 +421,7 @@ class P2PRuntime {
   int64_t plan(const at::Tensor& x, const OptTensor& m1, const OptTensor& m2, const OptTensor& exponent,
                const std::vector<double>& coeffs, int64_t residual, int64_t pow2, int64_t group_size, int64_t bits,
                int64_t quantizer, const std::vector<int64_t>& hadamard_signs, double hadamard_norm,
-               int64_t descriptor) {
+               int64_t descriptor, bool one_shot) {
     TORCH_CHECK(control_ != nullptr, "P2PRuntime: closed");
     TORCH_CHECK(descriptor >= 0 && descriptor <= 0xffffffffLL, "descriptor must be a 32-bit value");
     check_tensor(x, "x");
@@ -433,7 +442,22 @@ class P2PRuntime {
     a.update_output = residual == 2;
     a.pow2 = static_cast<int32_t>(pow2);
     a.descriptor = static_cast<uint32_t>(descriptor);
-    p.chunk_groups = prepare_chunks(a, echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits)));
+    const int64_t group_code_bytes = echo::code_bytes_per_group(static_cast<int>(group_size), static_cast<int>(bits));
+    p.chunk_groups = prepare_chunks(a, group_code_bytes);
+    if (one_shot) {  // the whole message in one launch, through the one-shot regions (p2p_all_reduce.cuh)
+      const int64_t G = a.layout.groups_per_segment;
+      TORCH_CHECK(shot_sender_bytes_ > 0 && (world_size_ == 2 || world_size_ == 4) && x.element_size() == 2,
+                  "P2PRuntime: the one-shot call needs the one-shot regions, 2 or 4 ranks and 16-bit x");
+      const int64_t need = shot_sender_need(G, group_code_bytes, group_size);
+      TORCH_CHECK(need <= shot_sender_bytes_, "P2PRuntime: the message does not fit the one-shot region (", need,
+                  " bytes a sender, ", shot_sender_bytes_, " held)");
+      a.one_shot = 1;
+      a.shot_sender_bytes = shot_sender_bytes_;
+      for (int64_t j = 0; j < world_size_; ++j) a.shot[j] = shot_[j];
+      // One block per SM (kOneShotMinBlocks) where the two-shot kernel's cap counts two: half the cap.
+      a.num_blocks = std::min<int32_t>(blocks_for(G, group_size), static_cast<int32_t>(std::max<int64_t>(1, max_blocks_ / 2)));
+      p.chunk_groups = G;
+    }
     p.numel = x.numel();
     p.dtype = x.scalar_type();
     p.state = residual != 0;
@@ -558,10 +582,22 @@ class P2PRuntime {
     a.error = error_;
     a.staged_poisoned = staged_poisoned_;
     a.timeout_ns = static_cast<uint64_t>(timeout_ns_);
-    const int64_t per_block = 4096 / a.layout.group_size;  // groups of one block item (256 threads, g / 16 lanes a group)
-    const int64_t wanted = (chunk_groups + per_block - 1) / per_block;
-    a.num_blocks = static_cast<int32_t>(wanted < max_blocks_ ? wanted : max_blocks_);
+    a.num_blocks = blocks_for(chunk_groups, a.layout.group_size);
     return chunk_groups;
+  }
+
+  // The grid of a launch over `groups` groups of every segment: one block item is 4096 / g groups (256 threads,
+  // g / 16 lanes a group), at most max_blocks_ blocks.
+  int32_t blocks_for(int64_t groups, int64_t group_size) const {
+    const int64_t per_block = 4096 / group_size;
+    const int64_t wanted = (groups + per_block - 1) / per_block;
+    return static_cast<int32_t>(wanted < max_blocks_ ? wanted : max_blocks_);
+  }
+
+  // Bytes of one sender's one-shot region for G groups a segment (p2p_all_reduce.cuh, ShotRegion): P code slots,
+  // the parameters, the own contribution in fp32.
+  int64_t shot_sender_need(int64_t G, int64_t group_code_bytes, int64_t group_size) const {
+    return world_size_ * round_up(G * group_code_bytes, 256) + round_up(4 * world_size_ * G, 256) + G * group_size * 4;
   }
 
   // The launches of a prepared call, one per chunk of chunk_groups groups, on `stream`.
@@ -605,6 +641,8 @@ class P2PRuntime {
   std::vector<Plan> plans_;
   const volatile echo::P2PErrorRecord* error_host_ = nullptr;  // the record's host mapping (its words, no sync)
   uint32_t seen_clipped_ = 0, seen_underflow_ = 0;
+  uint8_t* shot_[echo::kMaxWorldSize] = {};
+  int64_t shot_sender_bytes_ = 0;
   uint8_t* codes_[echo::kMaxWorldSize] = {};
   uint8_t* params_[echo::kMaxWorldSize] = {};
   echo::P2PFlags* flags_[echo::kMaxWorldSize] = {};
@@ -792,14 +830,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<P2PRuntime>(m, "P2PRuntime")
       .def(py::init<int64_t, int64_t, const std::vector<int64_t>&, const std::vector<int64_t>&,
                     const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                    int64_t>(),
+                    int64_t, const std::vector<int64_t>&, int64_t>(),
            py::arg("rank"), py::arg("world_size"), py::arg("codes"), py::arg("params"), py::arg("flags"),
            py::arg("code_half_bytes"), py::arg("param_half_bytes"), py::arg("error_record"),
            py::arg("error_record_host"), py::arg("timeout_ns"), py::arg("max_blocks"), py::arg("staged_poisoned"),
-           py::arg("device"))
+           py::arg("device"), py::arg("shot") = std::vector<int64_t>{}, py::arg("shot_sender_bytes") = 0)
       .def("plan", &P2PRuntime::plan, py::arg("x"), py::arg("m1"), py::arg("m2"), py::arg("exponent"),
            py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
-           py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"))
+           py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),
+           py::arg("one_shot") = false)
       .def("call", &P2PRuntime::call, py::arg("plan"), py::arg("x"), py::arg("m1") = py::none(),
            py::arg("m2") = py::none(), py::arg("exponent") = py::none())
       .def("set_range_seen", &P2PRuntime::set_range_seen, py::arg("clipped"), py::arg("underflow"))

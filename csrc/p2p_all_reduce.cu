@@ -24,6 +24,25 @@ void launch_p2p_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
   detail::check_contribution(a.src);
   ECHO_HOST_ASSERT(!(a.update_local && a.update_output), "one residual per call");
   ECHO_HOST_ASSERT(!(a.update_local || a.update_output) || a.src.m1 != nullptr, "updating needs the state");
+  if (a.one_shot) {  // 16-bit x at P = 2 and 4, one launch for the whole message (p2p_all_reduce.cuh)
+    const int P = a.layout.world_size;
+    ECHO_HOST_ASSERT(P == 2 || P == 4, "the one-shot kernel is built for 2 and 4 ranks");
+    ECHO_HOST_ASSERT(a.chunk_begin == 0 && a.chunk_groups == a.layout.groups_per_segment,
+                     "a one-shot call is one launch for the whole message");
+    for (int d = 0; d < P; ++d) ECHO_HOST_ASSERT(a.shot[d] != nullptr, "every rank's one-shot region is required");
+    switch (a.src.x_dtype) {
+      case DType::kFloat16:
+        if (P == 2) detail::launch_p2p_one_shot_kernel<__half, 2>(a, stream);
+        else detail::launch_p2p_one_shot_kernel<__half, 4>(a, stream);
+        break;
+      case DType::kBFloat16:
+        if (P == 2) detail::launch_p2p_one_shot_kernel<__nv_bfloat16, 2>(a, stream);
+        else detail::launch_p2p_one_shot_kernel<__nv_bfloat16, 4>(a, stream);
+        break;
+      default: ECHO_HOST_ASSERT(false, "the one-shot kernel takes 16-bit x");
+    }
+    return;
+  }
   ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld,
                       detail::launch_p2p_all_reduce_kernel<T, kWorld>(a, stream)));
 }

@@ -228,40 +228,12 @@ __device__ __forceinline__ void signal_peers(const P2PAllReduceArgs& a, uint64_t
   }
 }
 
-// 256 threads at up to 128 registers: 2 blocks resident per SM, which the grid cap counts on
-// (p2p_resident_blocks). At 3 (80 registers) ptxas spilled; the entry's prefetch needs the registers.
-// -DECHO_FUSED_MIN_BLOCKS=n builds others for comparison (benchmarks/RESULTS.md).
-#ifndef ECHO_FUSED_MIN_BLOCKS
-#define ECHO_FUSED_MIN_BLOCKS 2
-#endif
-constexpr int kFusedMinBlocks = ECHO_FUSED_MIN_BLOCKS;
-
-template <typename T, int kWorld, int kBits, int kGroupSize>
-__global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const P2PAllReduceArgs a) {
-  constexpr int kLanes = kGroupSize / kElemsPerThread;
-  constexpr int kPerItem = kGroupsPerBlockItem<kLanes>;
-  __shared__ uint64_t epoch_shared;
+// The call's pow2 exponent k (0 without rescaling), called by every block of a quantized launch (two-shot and
+// one-shot) with the launch's tag.
+template <typename T, int kWorld, int kLanes>
+__device__ __forceinline__ int call_exponent(const P2PAllReduceArgs& a, uint64_t tag, int me, P2PControl* control,
+                                             P2PFlags* mine) {
   __shared__ float amax_shared;
-  __shared__ RangeWatch range;  // pow2 0: this block's range events
-  const int me = a.rank;
-  const int lane = static_cast<int>(threadIdx.x % kLanes);
-  const int64_t seg_elems = a.layout.groups_per_segment * kGroupSize;
-  // This launch's chunk: groups [chunk_begin, chunk_begin + G) of every segment. Slots are indexed by the
-  // group within the chunk (gl), elements and state by the group within the segment (chunk_begin + gl).
-  const int64_t G = a.chunk_groups;
-  const int64_t numel = a.layout.numel;
-  P2PControl* control = a.control;
-  P2PFlags* mine = a.flags[me];
-
-  if (threadIdx.x == 0) {
-    epoch_shared = *reinterpret_cast<volatile uint64_t*>(&control->epoch) + 1;
-    range = RangeWatch{0ull, 0u};
-  }
-  __syncthreads();
-  const uint64_t epoch = epoch_shared;
-  const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;  // what this call's flags hold
-  const bool watch = a.pow2 == 0;
-
   // pow2 rescaling: the group's max |r'|, before any code is formed. Every block takes the max of its
   // share of this rank's tensor into control->amax_bits; the last block to arrive publishes the rank's max
   // to every rank (its own included); every block then waits for all P and takes their max.
@@ -309,6 +281,76 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   }
   const int k = first_chunk ? pow2_exponent(pow2_amax) : *reinterpret_cast<volatile int32_t*>(&control->pow2_k);
   if (first_chunk && blockIdx.x == 0 && threadIdx.x == 0) control->pow2_k = k;  // read by the next launches
+  return k;
+}
+
+// The tail of one group of a reduced segment, element e its first: decode (codes, p: the group as every rank
+// receives it) into y, and residual "output"'s update (u = r' - s_hat / P, r' formed again as the entry formed
+// it: dequantize.cu, kUpdate). A group of padding only updates its state (residual "output") and writes nothing.
+template <typename T, int kWorld, int kBits, int kLanes>
+__device__ __forceinline__ void tail_group(const P2PAllReduceArgs& a, int64_t e, int lane, int k, const Codes<kBits>& codes,
+                                           const GroupParams& p) {
+  const int64_t numel = a.layout.numel;
+  const float down = exp2_int(-k);
+  float v[kElemsPerThread];
+  if (a.update_output) {
+    float r[kElemsPerThread];
+    StateWords m;
+    contribution<T, kLanes>(a.src, e, lane, numel, /*k=*/0, r, m);
+    decode<kBits>(codes, p.scale, p.zero, v);
+    const float inv_world = __frcp_rn(static_cast<float>(kWorld));
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) {
+      if (k != 0) v[i] = f_mul(v[i], down);
+      r[i] = f_sub(r[i], f_mul(v[i], inv_world));
+    }
+    update_state<kLanes>(a.src, e, lane, m, r);
+    if (e >= numel) return;  // padding: its state is updated, nothing is written
+  } else {
+    decode<kBits>(codes, p.scale, p.zero, v);
+    if (k != 0) {
+#pragma unroll
+      for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], down);
+    }
+  }
+  if (a.src.hadamard.enabled) unrotate<kLanes>(v, lane, a.src.hadamard);
+  store_thread<T, kLanes>(static_cast<T*>(a.out), e, lane, numel, aligned16(a.out), v);
+}
+
+// 256 threads at up to 128 registers: 2 blocks resident per SM, which the grid cap counts on
+// (p2p_resident_blocks). At 3 (80 registers) ptxas spilled; the entry's prefetch needs the registers.
+// -DECHO_FUSED_MIN_BLOCKS=n builds others for comparison (benchmarks/RESULTS.md).
+#ifndef ECHO_FUSED_MIN_BLOCKS
+#define ECHO_FUSED_MIN_BLOCKS 2
+#endif
+constexpr int kFusedMinBlocks = ECHO_FUSED_MIN_BLOCKS;
+
+template <typename T, int kWorld, int kBits, int kGroupSize>
+__global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const P2PAllReduceArgs a) {
+  constexpr int kLanes = kGroupSize / kElemsPerThread;
+  constexpr int kPerItem = kGroupsPerBlockItem<kLanes>;
+  __shared__ uint64_t epoch_shared;
+  __shared__ RangeWatch range;  // pow2 0: this block's range events
+  const int me = a.rank;
+  const int lane = static_cast<int>(threadIdx.x % kLanes);
+  const int64_t seg_elems = a.layout.groups_per_segment * kGroupSize;
+  // This launch's chunk: groups [chunk_begin, chunk_begin + G) of every segment. Slots are indexed by the
+  // group within the chunk (gl), elements and state by the group within the segment (chunk_begin + gl).
+  const int64_t G = a.chunk_groups;
+  const int64_t numel = a.layout.numel;
+  P2PControl* control = a.control;
+  P2PFlags* mine = a.flags[me];
+
+  if (threadIdx.x == 0) {
+    epoch_shared = *reinterpret_cast<volatile uint64_t*>(&control->epoch) + 1;
+    range = RangeWatch{0ull, 0u};
+  }
+  __syncthreads();
+  const uint64_t epoch = epoch_shared;
+  const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;  // what this call's flags hold
+  const bool watch = a.pow2 == 0;
+
+  const int k = call_exponent<T, kWorld, kLanes>(a, tag, me, control, mine);
 
   // A. entry: the segments this rank sends. A thread's work is a sequence of units (item, sent segment);
   // for 16-bit x and a bf16 state (or none) the loads of unit q + 1 are issued before unit q is worked on
@@ -437,38 +479,13 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
 
   // C. tail: every segment's reduced codes -> y (and residual "output"'s update).
   wait_peers<kWorld>(a, mine->gather, tag, kP2PWaitTail);
-  const float down = exp2_int(-k);
   for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
     const int64_t gi = base + threadIdx.x / kLanes;
     if (gi >= G) continue;
     const int64_t code_offset = gi * kGroupCodeBytes<kBits, kLanes>;
     const auto tail_segment = [&](int seg, const Codes<kBits>& codes, uint16_t scale_bits, uint16_t zero_bits) {
-      const int64_t e = int64_t(seg) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
-      const GroupParams p = table_params<kBits>(a.gathered, scale_bits, zero_bits);
-      float v[kElemsPerThread];
-      if (a.update_output) {
-        // u = r' - s_hat / P, r' formed again as the entry formed it (dequantize.cu, kUpdate).
-        float r[kElemsPerThread];
-        StateWords m;
-        contribution<T, kLanes>(a.src, e, lane, numel, /*k=*/0, r, m);
-        decode<kBits>(codes, p.scale, p.zero, v);
-        const float inv_world = __frcp_rn(static_cast<float>(kWorld));
-#pragma unroll
-        for (int i = 0; i < kElemsPerThread; ++i) {
-          if (k != 0) v[i] = f_mul(v[i], down);
-          r[i] = f_sub(r[i], f_mul(v[i], inv_world));
-        }
-        update_state<kLanes>(a.src, e, lane, m, r);
-        if (e >= numel) return;  // padding: its state is updated, nothing is written
-      } else {
-        decode<kBits>(codes, p.scale, p.zero, v);
-        if (k != 0) {
-#pragma unroll
-          for (int i = 0; i < kElemsPerThread; ++i) v[i] = f_mul(v[i], down);
-        }
-      }
-      if (a.src.hadamard.enabled) unrotate<kLanes>(v, lane, a.src.hadamard);
-      store_thread<T, kLanes>(static_cast<T*>(a.out), e, lane, numel, aligned16(a.out), v);
+      tail_group<T, kWorld, kBits, kLanes>(a, int64_t(seg) * seg_elems + (a.chunk_begin + gi) * kGroupSize, lane, k,
+                                           codes, table_params<kBits>(a.gathered, scale_bits, zero_bits));
     };
     // A segment whose group is all padding is skipped (residual "output" still updates its state).
     const auto wanted = [&](int seg) {
@@ -496,6 +513,211 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
         load_param_bits(a.gathered, seg, gi, scale_bits, zero_bits);
         tail_segment(seg, load_codes<kBits, kLanes>(a.gathered.codes[seg] + code_offset, lane), scale_bits, zero_bits);
       }
+    }
+  }
+
+  if (watch) {
+    __syncthreads();
+    if (threadIdx.x == 0) fold_range(a, range);
+  }
+  if (finish_launch(control, epoch) && watch) count_range(a);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// One-shot (small messages): every rank receives every sender's codes of every segment but the sender's own,
+// and each sender's own contribution (its segment, the owner's term of the sum) in fp32; every rank then
+// reduces every segment itself, exactly as its owner does in the two-shot kernel (same terms, same order,
+// same requantization), and decodes it: the same bits with one exchange instead of two.
+//
+// Rank d's one-shot region (P2PAllReduceArgs::shot[d]) holds, per parity (epoch & 1), one sub-region of
+// shot_sender_bytes per sender r:
+//   codes   kWorld slots of code_slot = round256(G gcb) bytes: segment j's group gi at j code_slot + gi gcb
+//   params  round256(4 kWorld G) bytes: the scales [kWorld G] (index j G + gi), then the zero-points
+//   own     [G g] fp32, thread-major: the kElemsPerThread values of lane l of group gi at (gi kLanes + l) 16
+// (P2PRuntime::plan computes the same sizes, shot_sender_need, to check that a call fits.) A region is
+// written again two calls later: by then every peer has finished the call that read it (its push flag of
+// the call in between says it started that one). Two-shot calls never touch these regions, nor one-shot
+// calls the two-shot slots. A one-shot call is one launch (the whole message, chunk_begin 0).
+struct ShotRegion {
+  uint8_t* codes;
+  uint16_t* scales;
+  uint16_t* zeros;
+  float* own;
+  int64_t code_slot;
+  int64_t groups;
+};
+
+__device__ __forceinline__ int64_t round_up256(int64_t v) { return (v + 255) / 256 * 256; }
+
+template <int kWorld, int kBits, int kLanes>
+__device__ __forceinline__ ShotRegion shot_region(const P2PAllReduceArgs& a, int d, int sender, uint64_t epoch) {
+  const int64_t G = a.chunk_groups;
+  ShotRegion r;
+  r.code_slot = round_up256(G * kGroupCodeBytes<kBits, kLanes>);
+  r.groups = G;
+  uint8_t* base = a.shot[d] + (int64_t(epoch & 1) * kWorld + sender) * a.shot_sender_bytes;
+  r.codes = base;
+  r.scales = reinterpret_cast<uint16_t*>(base + kWorld * r.code_slot);
+  r.zeros = r.scales + kWorld * G;
+  r.own = reinterpret_cast<float*>(base + kWorld * r.code_slot + round_up256(4 * kWorld * G));
+  return r;
+}
+
+// Group gi of segment j in a one-shot region, as store_packet_group and load_packet_group write and read a slot.
+template <int kBits, int kLanes>
+__device__ __forceinline__ void store_shot_group(const ShotRegion& r, int j, int64_t gi, int lane, bool packed,
+                                                 const Codes<kBits>& codes, const GroupParams& p) {
+  store_codes<kBits, kLanes>(r.codes + j * r.code_slot + gi * kGroupCodeBytes<kBits, kLanes>, lane, codes);
+  if (lane == 0) {
+    const int64_t i = j * r.groups + gi;
+    if (packed) {
+      r.scales[i] = pack_params<kBits>(p);
+    } else {
+      r.scales[i] = p.scale_bits;
+      r.zeros[i] = p.zero_bits;
+    }
+  }
+}
+template <int kBits, int kLanes>
+__device__ __forceinline__ Codes<kBits> load_shot_group(const ShotRegion& r, int j, int64_t gi, int lane, bool packed,
+                                                        GroupParams& p) {
+  const int64_t i = j * r.groups + gi;
+  const uint16_t scale_bits = r.scales[i];
+  p = packed ? params_from_word<kBits>(scale_bits) : params_from_bits(scale_bits, r.zeros[i]);
+  return load_codes<kBits, kLanes>(r.codes + j * r.code_slot + gi * kGroupCodeBytes<kBits, kLanes>, lane);
+}
+
+// The parameters a receiver reads back for p (table_params of what store_packet_group wrote).
+template <int kBits>
+__device__ __forceinline__ GroupParams stored_params(const GroupParams& p, bool packed) {
+  return packed ? params_from_word<kBits>(pack_params<kBits>(p)) : params_from_bits(p.scale_bits, p.zero_bits);
+}
+
+// One block per SM at up to 255 registers: at two (128 registers, as the two-shot kernel) ptxas spilled. Its grids
+// are small (the messages are), and P2PRuntime gives it half the two-shot grid cap, so that the co-resident
+// blocks of every rank still fit (kOneShotMinBlocks).
+constexpr int kOneShotMinBlocks = 1;
+
+template <typename T, int kWorld, int kBits, int kGroupSize>
+__global__ void ECHO_KERNEL_BOUNDS(kOneShotMinBlocks) p2p_one_shot_kernel(const P2PAllReduceArgs a) {
+  constexpr int kLanes = kGroupSize / kElemsPerThread;
+  constexpr int kPerItem = kGroupsPerBlockItem<kLanes>;
+  __shared__ uint64_t epoch_shared;
+  __shared__ RangeWatch range;  // pow2 0: this block's range events
+  const int me = a.rank;
+  const int lane = static_cast<int>(threadIdx.x % kLanes);
+  const int64_t seg_elems = a.layout.groups_per_segment * kGroupSize;
+  const int64_t G = a.chunk_groups;  // the whole segment (chunk_begin 0)
+  const int64_t numel = a.layout.numel;
+  P2PControl* control = a.control;
+  P2PFlags* mine = a.flags[me];
+
+  if (threadIdx.x == 0) {
+    epoch_shared = *reinterpret_cast<volatile uint64_t*>(&control->epoch) + 1;
+    range = RangeWatch{0ull, 0u};
+  }
+  __syncthreads();
+  const uint64_t epoch = epoch_shared;
+  const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;
+  const bool watch = a.pow2 == 0;
+  const bool packed = a.push_out.packed != 0;  // the parameters' format (P2PRuntime sets it in every table)
+  const int k = call_exponent<T, kWorld, kLanes>(a, tag, me, control, mine);
+
+  // A. this block's groups of every segment: a sent segment's quantized into every rank's region for this
+  // sender (its own included: it reduces that segment too), the own segment's in fp32 into every peer's.
+  for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
+    const int64_t gi = base + threadIdx.x / kLanes;
+    if (gi >= G) continue;
+#pragma unroll 1
+    for (int j = 0; j < kWorld; ++j) {
+      const int64_t e = int64_t(j) * seg_elems + gi * kGroupSize;
+      float v[kElemsPerThread];
+      StateWords m;
+      contribution<T, kLanes>(a.src, e, lane, numel, k, v, m);
+      if (j == me) {
+#pragma unroll 1
+        for (int d = 0; d < kWorld; ++d) {
+          if (d == me) continue;
+          float4* dst = reinterpret_cast<float4*>(shot_region<kWorld, kBits, kLanes>(a, d, me, epoch).own +
+                                                  (gi * kLanes + lane) * kElemsPerThread);
+#pragma unroll
+          for (int i = 0; i < kElemsPerThread / 4; ++i) {
+            dst[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+          }
+        }
+        continue;
+      }
+      Codes<kBits> codes;
+      const GroupParams p = quantize_group<kBits, kLanes>(v, a.quantizer, lane, codes);
+#pragma unroll 1
+      for (int d = 0; d < kWorld; ++d) {
+        store_shot_group<kBits, kLanes>(shot_region<kWorld, kBits, kLanes>(a, d, me, epoch), j, gi, lane, packed, codes,
+                                        p);
+      }
+      if (watch) watch_range<kBits, kLanes>(&range, v, p, a.quantizer, lane);
+      if (a.update_local) {
+        float u[kElemsPerThread];
+        local_residual<kBits>(codes, p, v, k, u);
+        update_state<kLanes>(a.src, e, lane, m, u);
+      }
+    }
+  }
+  signal_peers<kWorld, false>(a, tag);
+  wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
+
+  // B + C. this block's groups of every segment: the ordered fp32 sum (the owner's term from its fp32 copy,
+  // or formed here for this rank's own segment), requantized once, then decoded into y at once.
+  for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
+    const int64_t gi = base + threadIdx.x / kLanes;
+    if (gi >= G) continue;
+#pragma unroll 1
+    for (int s = 0; s < kWorld; ++s) {
+      const int64_t e = int64_t(s) * seg_elems + gi * kGroupSize;
+      float acc[kElemsPerThread];  // the owner's term
+      StateWords m;  // this rank's state words of the group, where it owns s (residual "local" updates them)
+      if (s == me) {
+        contribution<T, kLanes>(a.src, e, lane, numel, k, acc, m);
+      } else {
+        const float4* own = reinterpret_cast<const float4*>(shot_region<kWorld, kBits, kLanes>(a, me, s, epoch).own +
+                                                            (gi * kLanes + lane) * kElemsPerThread);
+#pragma unroll
+        for (int i = 0; i < kElemsPerThread / 4; ++i) {
+          const float4 w = own[i];
+          acc[4 * i] = w.x;
+          acc[4 * i + 1] = w.y;
+          acc[4 * i + 2] = w.z;
+          acc[4 * i + 3] = w.w;
+        }
+      }
+      // The sum ((t_0 + t_1) + ...) + t_{P-1} in rank order, t_s the owner's term, the others decoded from their
+      // codes.
+      float sum[kElemsPerThread];
+#pragma unroll
+      for (int r = 0; r < kWorld; ++r) {
+        float t[kElemsPerThread];
+        if (r == s) {
+#pragma unroll
+          for (int i = 0; i < kElemsPerThread; ++i) t[i] = acc[i];
+        } else {
+          GroupParams p;
+          const Codes<kBits> copy =
+              load_shot_group<kBits, kLanes>(shot_region<kWorld, kBits, kLanes>(a, me, r, epoch), s, gi, lane, packed, p);
+          decode<kBits>(copy, p.scale, p.zero, t);
+        }
+#pragma unroll
+        for (int i = 0; i < kElemsPerThread; ++i) sum[i] = (r == 0) ? t[i] : f_add(sum[i], t[i]);
+      }
+      Codes<kBits> codes;
+      const GroupParams p = quantize_group<kBits, kLanes>(sum, a.quantizer, lane, codes);
+      if (s == me) {  // the owner's share of the call: its range events and residual "local"
+        if (watch) watch_range<kBits, kLanes>(&range, sum, p, a.quantizer, lane);
+        if (a.update_local) {
+          float u[kElemsPerThread];
+          local_residual<kBits>(codes, p, sum, k, u);
+          update_state<kLanes>(a.src, e, lane, m, u);
+        }
+      }
+      if (a.update_output || e < numel) tail_group<T, kWorld, kBits, kLanes>(a, e, lane, k, codes, stored_params<kBits>(p, packed));
     }
   }
 
@@ -609,6 +831,15 @@ void launch_p2p_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t stream
   }));
 }
 
+// Launches the one-shot instantiation of (T, kWorld) for the configuration of a (16-bit x only).
+template <typename T, int kWorld>
+void launch_p2p_one_shot_kernel(const P2PAllReduceArgs& a, cudaStream_t stream) {
+  ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+    p2p_one_shot_kernel<T, kWorld, kBits, kGroup><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a);
+    ECHO_CHECK(cudaGetLastError());
+  }));
+}
+
 // One translation unit per (dtype, world size) instantiates both kernels (p2p_all_reduce_<dtype>_p<P>.cu),
 // so that the nine build in parallel: `extern` here, `template` there.
 #define ECHO_P2P_KERNELS(kind, T, P)                                                        \
@@ -616,10 +847,17 @@ void launch_p2p_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t stream
   kind template void launch_p2p_plain_all_reduce_kernel<T, P>(const P2PAllReduceArgs&, cudaStream_t);
 #define ECHO_P2P_EXTERN_KERNELS(T) \
   ECHO_P2P_KERNELS(extern, T, 2) ECHO_P2P_KERNELS(extern, T, 4) ECHO_P2P_KERNELS(extern, T, 8)
+// The one-shot kernels, for 16-bit x at P = 2 and 4 only (at P = 8 ptxas spilled at 128 registers; those calls
+// take the two-shot kernel), in units of their own (p2p_one_shot_<f16|bf16>_p<P>.cu).
+#define ECHO_P2P_ONE_SHOT_KERNELS(kind, T, P) \
+  kind template void launch_p2p_one_shot_kernel<T, P>(const P2PAllReduceArgs&, cudaStream_t);
+#define ECHO_P2P_EXTERN_ONE_SHOT_KERNELS(T) ECHO_P2P_ONE_SHOT_KERNELS(extern, T, 2) ECHO_P2P_ONE_SHOT_KERNELS(extern, T, 4)
 #ifndef ECHO_P2P_INSTANTIATING
 ECHO_P2P_EXTERN_KERNELS(float)
 ECHO_P2P_EXTERN_KERNELS(__half)
 ECHO_P2P_EXTERN_KERNELS(__nv_bfloat16)
+ECHO_P2P_EXTERN_ONE_SHOT_KERNELS(__half)
+ECHO_P2P_EXTERN_ONE_SHOT_KERNELS(__nv_bfloat16)
 #endif
 
 }  // namespace detail

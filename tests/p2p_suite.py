@@ -306,6 +306,63 @@ def check_plans(buf, rank, P, device, n=5000):
     return num
 
 
+def check_one_shot(buf, rank, P, device):
+    """The one-shot variant of the one-launch call (16-bit x up to buf.one_shot_max_bytes, P = 2 and 4) against a
+    buffer that runs every call two-shot (one_shot_max_bytes=0) and against the emulator: sizes from one element
+    to the threshold and one above it, 4 and 8 bits, every residual, pow2 off and "auto", bf16 and fp16, calls
+    back to back (the regions' two parities), and a CUDA graph of one-shot calls replayed with new inputs.
+    Returns the number of calls compared."""
+    from echo_ds.p2p import EchoBuffer
+
+    if buf.capacity.shot_numel == 0:
+        return 0
+    two = EchoBuffer(max_numel=buf.capacity.max_numel, stages="fused", one_shot_max_bytes=0)
+    assert two.active and two.capacity.shot_numel == 0, two.reason
+    top = buf.capacity.shot_numel
+    num = 0
+    cases = [(4, None, False, torch.bfloat16), (8, "local", "auto", torch.float16), (4, "output", False, torch.bfloat16),
+             (4, "local", False, torch.bfloat16)]
+    for i, (bits, residual, pow2, dtype) in enumerate(cases):
+        spec = QuantSpec(bits, (64, 128, 256, 64)[i], "zero_aware_int" if bits == 4 else "zero_aware", rotation=i != 2)
+        dcfg = DirectionConfig(residual=residual or "local", gain=0.9)
+        comps = [make_compensator(dcfg) if residual else None for _ in range(3)]  # one-shot, two-shot, emulator
+        for call, n in enumerate((1, 1000, 4097, top // 3 + 5, top, top + 1, 777)):
+            parts = parts_for(P, n, dtype, 9100 + 10 * i + call, device, 1e5 if pow2 == "auto" else 1.0)
+            y1 = buf.all_reduce(parts[rank], spec, compensator=comps[0], pow2_rescale=pow2)
+            y2 = two.all_reduce(parts[rank], spec, compensator=comps[1], pow2_rescale=pow2)
+            expected = spec_on_device(parts, spec, comps[2], pow2)
+            buf.synchronize()
+            two.synchronize()
+            what = f"one-shot n={n} {dtype} bits={bits} residual={residual} pow2={pow2} call {call}: rank {rank}"
+            assert same_bits(y1, expected), f"{what}: the one-shot output differs from the emulator"
+            assert same_bits(y2, expected), f"{what}: the two-shot output differs from the emulator"
+            if residual:
+                assert same_state(comps[0], comps[2], rank), f"{what}: one-shot state differs from the emulator's"
+                assert same_state(comps[1], comps[2], rank), f"{what}: two-shot state differs from the emulator's"
+            num += 1
+    # graph replay of one-shot calls (three per replay: both parities, replay after replay)
+    n, spec = top // 2, QuantSpec(4, 64, "zero_aware_int", rotation=True)
+    comp, comp_emul = make_compensator(DirectionConfig()), make_compensator(DirectionConfig())
+    inputs = [parts_for(P, n, torch.bfloat16, 9500 + j, device) for j in range(4)]
+    static_x = inputs[0][rank].clone()
+    buf.all_reduce(static_x, spec, compensator=comp)  # eager: the plan and the state
+    spec_on_device(inputs[0], spec, comp_emul)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = [buf.all_reduce(static_x, spec, compensator=comp) for _ in range(3)]
+    for j in range(1, 4):
+        static_x.copy_(inputs[j][rank])
+        graph.replay()
+        buf.synchronize()
+        for c, y in enumerate(ys):
+            assert same_bits(y, spec_on_device(inputs[j], spec, comp_emul)), f"one-shot replay {j} call {c}: rank {rank}"
+        assert same_state(comp, comp_emul, rank), f"one-shot replay {j}: state differs"
+        num += 3
+    two.close()
+    return num
+
+
 def check_state_formats(buf, rank, P, device, n=4097):
     """Compensators that store their state in each format, named ("int4", "int8", "bf16": the other checks
     hold the default), on whatever path the buffer runs (the one launch, the staged kernels, the torch
@@ -498,6 +555,9 @@ def suite(rank, world_size, cfg):
         n_plans = check_plans(buf, rank, P, device)
         log(rank, f"P={P}: {n_plans} calls by the runtime's plans (two coefficient sets at one site, a new "
                   f"compensator, a reset): outputs and states bit-identical to the emulator's")
+        n_shot = check_one_shot(buf, rank, P, device)
+        log(rank, f"P={P}: {n_shot} calls one-shot (up to {buf.one_shot_max_bytes} bytes of 16-bit x) beside a "
+                  f"two-shot buffer: both bit-identical to the emulator, outputs and states; graph replay")
         n_plain = check_plain(buf, rank, P, device)
         log(rank, f"P={P}: {n_plain} unquantized calls (plain_all_reduce: 3 dtypes, 1 element to 1 M, NaN, fp16 "
                   f"saturation) bit-identical to the rank-order fp32 sum and across ranks")

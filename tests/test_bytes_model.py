@@ -119,8 +119,15 @@ def test_memory_by_hand():
     assert ws["code_bytes"] == 2 * P * slot
     pslot = -(-(4 * (n // (16 * P) + 1)) // 256) * 256
     assert ws["param_bytes"] == 2 * P * pslot
-    assert ws["total_bytes"] == ws["code_bytes"] + ws["param_bytes"] + ws["signal_bytes"]
-    assert 2.5 < ws["total_bytes"] / n < 2.51
+    # The one-shot regions (16-bit messages up to 256 KiB at P = 4): two parities x P senders x (P code slots of
+    # a segment at 8 bits, the parameters of P segments at g = 64, the own segment in fp32).
+    seg = (1 << 17) // P + 256
+    sender = P * seg + -(-(4 * P * -(-seg // 64)) // 256) * 256 + 4 * seg
+    assert seg % 256 == 0 and ws["shot_bytes"] == 2 * P * sender
+    assert B.workspace_bytes(n, P, one_shot_max_bytes=0)["shot_bytes"] == 0
+    assert B.workspace_bytes(n, 8)["shot_bytes"] == 0, "no one-shot kernel at P = 8"
+    assert ws["total_bytes"] == ws["code_bytes"] + ws["shot_bytes"] + ws["param_bytes"] + ws["signal_bytes"]
+    assert 2.5 < (ws["total_bytes"] - ws["shot_bytes"]) / n < 2.51
     assert B.state_bytes(10, 2, 64) == 4 * 128
     assert B.state_bytes(1 << 20, 4, 64) == 4 * (1 << 20)
     G = math.ceil(1000 / (2 * 64))

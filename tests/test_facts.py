@@ -102,8 +102,26 @@ def test_world_sizes_are_the_one_launch_instantiations():
         assert re.search(rf"ECHO_P2P_KERNELS\(, \w+, {world}\)", source(unit)), f"{unit} instantiates P = {world}"
     runtime = re.findall(r"world_size == (\d+)", source("echo_binding.cpp"))
     assert tuple(int(p) for p in runtime) == K.KERNEL_WORLD_SIZES, "P2PRuntime's check (csrc/echo_binding.cpp)"
-    host = re.findall(r"\bP == (\d+)", source("p2p_all_reduce.cu"))
+    check = re.search(r"ECHO_HOST_ASSERT\(([^;]*)\"the one-launch transport is built for", source("p2p_all_reduce.cu"))
+    assert check, "no world-size check in csrc/p2p_all_reduce.cu check_launch"
+    host = re.findall(r"\bP == (\d+)", check[1])
     assert tuple(int(p) for p in host) == K.KERNEL_WORLD_SIZES, "the launcher's check (csrc/p2p_all_reduce.cu)"
+
+
+def test_one_shot_world_sizes_are_its_instantiations():
+    from echo_ds.p2p import policy
+
+    extern = macro(source("p2p_all_reduce.cuh"), "ECHO_P2P_EXTERN_ONE_SHOT_KERNELS")
+    sizes = [int(p) for p in re.findall(r"ECHO_P2P_ONE_SHOT_KERNELS\(extern, T, (\d+)\)", extern)]
+    assert tuple(sizes) == policy.ONE_SHOT_WORLD_SIZES, "the one-shot kernels' extern declarations"
+    units = {s for s in SOURCES if s.startswith("p2p_one_shot_")}
+    assert units == {f"p2p_one_shot_{d}_p{p}.cu" for d in ("f16", "bf16") for p in policy.ONE_SHOT_WORLD_SIZES}
+    check = re.search(r"ECHO_HOST_ASSERT\(([^;]*)\"the one-shot kernel is built for", source("p2p_all_reduce.cu"))
+    assert check and tuple(int(p) for p in re.findall(r"\bP == (\d+)", check[1])) == policy.ONE_SHOT_WORLD_SIZES
+    runtime = re.search(r"TORCH_CHECK\(shot_sender_bytes_ > 0 && \(([^)]*)\)", source("echo_binding.cpp"))
+    assert runtime and tuple(int(p) for p in re.findall(r"world_size_ == (\d+)", runtime[1])) == \
+        policy.ONE_SHOT_WORLD_SIZES, "P2PRuntime.plan's one-shot check (csrc/echo_binding.cpp)"
+    assert all(policy.one_shot_max_bytes(p) == 0 for p in K.KERNEL_WORLD_SIZES if p not in policy.ONE_SHOT_WORLD_SIZES)
 
 
 def test_the_tables_hold_the_largest_world_size():

@@ -67,6 +67,7 @@ SOURCES = (
     "pow2_amax.cu",
     "p2p_all_reduce.cu",
     *(f"p2p_all_reduce_{dtype}_p{world}.cu" for dtype in ("f32", "f16", "bf16") for world in (2, 4, 8)),
+    *(f"p2p_one_shot_{dtype}_p{world}.cu" for dtype in ("f16", "bf16") for world in (2, 4)),
     "p2p_transport.cu",
     "echo_binding.cpp",
 )

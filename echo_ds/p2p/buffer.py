@@ -173,7 +173,7 @@ class EchoBuffer:
                  tile_bytes: int = kDefaultTileBytes, timeout_s: Optional[float] = None,
                  device: Optional[torch.device] = None, transport: str = "cuda", stages: str = "auto",
                  min_group_size: int = 16, one_launch_max_bytes: Optional[int] = None,
-                 on_fault: str = "raise"):
+                 one_shot_max_bytes: Optional[int] = None, on_fault: str = "raise"):
         if stages not in ("auto", "fused", "kernels", "torch"):
             raise ValueError(f"stages={stages!r} must be 'auto', 'fused', 'kernels' or 'torch'")
         if on_fault not in kOnFault:
@@ -187,13 +187,21 @@ class EchoBuffer:
         self._one_launch_max_bytes = one_launch_max_bytes
         self.one_launch_max_bytes = ((1 << 62) if stages == "fused" else one_launch_max_bytes
                                      if one_launch_max_bytes is not None else policy.kSharedGpuOneLaunchMaxBytes)
+        if one_shot_max_bytes is not None and (isinstance(one_shot_max_bytes, bool) or
+                                               not isinstance(one_shot_max_bytes, int) or one_shot_max_bytes < 0):
+            raise ValueError(f"one_shot_max_bytes={one_shot_max_bytes!r} must be None or a non-negative int")
         self._ops = None
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = _default_timeout() if timeout_s is None else float(timeout_s)
         self.tile_bytes = tile_bytes
-        self.capacity = L.Capacity(self.world_size, max_numel, min_group_size)
+        # The one-launch call's one-shot variant (16-bit x up to this many bytes; 0: two-shot only): its regions
+        # are part of the workspace, so every rank must pass the same value (checked at the handshake).
+        self.one_shot_max_bytes = (policy.one_shot_max_bytes(self.world_size) if one_shot_max_bytes is None
+                                   else one_shot_max_bytes if self.world_size in policy.ONE_SHOT_WORLD_SIZES else 0)
+        self.capacity = L.Capacity(self.world_size, max_numel, min_group_size,
+                                   shot_numel=min(max_numel, self.one_shot_max_bytes // 2))
         self.transport = None
         self.active = False
         self.reason = ""
@@ -316,7 +324,12 @@ class EchoBuffer:
                 why = "" if ok else f"{sharing} ranks share one device: no block left for each"
             except Exception as e:  # noqa: BLE001 - the staged pipeline still works
                 why = f"{type(e).__name__}: {e}"
-        verdicts = self._gather((ok, cap, why, self.capacity.max_numel))
+        verdicts = self._gather((ok, cap, why, self.capacity.max_numel, self.one_shot_max_bytes))
+        if len({v[4] for v in verdicts}) != 1:
+            # NOTE: the one-shot regions are sized by it, and ranks must take the same variant for the same call.
+            self.close()
+            raise ValueError("EchoBuffer: every rank of the group must pass the same one_shot_max_bytes, got "
+                             + ", ".join(f"rank {j}: {v[4]}" for j, v in enumerate(verdicts)))
         if len({v[3] for v in verdicts}) != 1:
             # NOTE: the workspace decides how many chunks (launches, epochs) a large message takes; ranks
             # with different workspaces would pair one rank's chunk with another's next call.
@@ -338,7 +351,9 @@ class EchoBuffer:
             self.rank, P, [t.peer_ptr[j]["codes"] for j in range(P)], [t.peer_ptr[j]["params"] for j in range(P)],
             [t.peer_ptr[j]["signals"] + L.kFusedFlagsOffset for j in range(P)], self.capacity.code_bytes // 2,
             self.capacity.param_bytes // 2, t.error_dev_ptr, t.error_host_ptr, t.timeout_ns, cap,
-            t.control_ptr + t.layout["control.poisoned"], self.device.index)
+            t.control_ptr + t.layout["control.poisoned"], self.device.index,
+            [t.peer_ptr[j]["codes"] + self.capacity.code_bytes for j in range(P)] if self.capacity.shot_bytes else [],
+            self.capacity.shot_sender_bytes)
         # stages "kernels" / "torch" keep the runtime for the staged calls' descriptor gate only
         self._runtime = self._owned_runtime if self.stages in ("auto", "fused") else None
         self._gate_x = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -638,16 +653,17 @@ class EchoBuffer:
         layout = A.Layout(x.numel(), self.world_size, spec.group_size)
         state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
         x = x.contiguous()
+        one_shot = x.element_size() == 2 and x.numel() <= self.capacity.shot_numel
         if compensator is None:
             index = self._runtime.plan(x, None, None, None, [], 0, A.pow2_code(pow2), spec.group_size, spec.bits,
-                                       K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor)
+                                       K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor, one_shot)
             return _OneLaunchPlan(index, spec.bits, state_shape, (None, None, None))
         c = compensator
         c._ensure(state_shape, self.device)
         state = kernel_state(c)
         index = self._runtime.plan(x, state["m1"], state["m2"], state["exponent"], list(c.kernel_key[3:]),
                                    proto.DESCRIPTOR_RESIDUALS.index(residual), A.pow2_code(pow2), spec.group_size,
-                                   spec.bits, K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor)
+                                   spec.bits, K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor, one_shot)
         return _OneLaunchPlan(index, spec.bits, state_shape, K.kernel_state_names(c.state_dtype))
 
     def _one_launch(self, x, plan, compensator):

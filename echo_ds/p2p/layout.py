@@ -29,6 +29,7 @@ from typing import Tuple
 
 from echo_ds import quant as Q
 from echo_ds.algorithm import Layout
+from echo_ds.ops.kernels import SUPPORTED_GROUP_SIZES
 from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE
 
 # The offsets of EchoP2PSignals (csrc/echo_p2p.h) that address the flags, on both transports. The header
@@ -120,6 +121,7 @@ class Capacity:
     world_size: int
     max_numel: int
     min_group_size: int = MIN_GROUP_SIZE
+    shot_numel: int = 0  # the largest one-shot message (elements of 16-bit x); 0: no one-shot regions
 
     @property
     def max_segment_groups(self) -> int:
@@ -137,6 +139,24 @@ class Capacity:
     @property
     def param_bytes(self) -> int:
         return 2 * self.world_size * _round_up(Q.kParamBytesPerGroup * self.max_segment_groups, kSlotAlignBytes)
+
+    @property
+    def shot_sender_bytes(self) -> int:
+        """One sender's one-shot region (csrc/p2p_all_reduce.cuh, ShotRegion; P2PRuntime checks every call
+        against it): P code slots of a segment at 8 bits, the parameters of P segments at the kernels' smallest
+        group size, the own segment in fp32; a segment's padding at most one group of the kernels' largest size."""
+        if self.shot_numel <= 0:
+            return 0
+        seg = -(-self.shot_numel // self.world_size) + max(SUPPORTED_GROUP_SIZES)
+        groups = -(-seg // min(SUPPORTED_GROUP_SIZES))
+        return (self.world_size * _round_up(seg, kSlotAlignBytes)
+                + _round_up(Q.kParamBytesPerGroup * self.world_size * groups, kSlotAlignBytes)
+                + _round_up(4 * seg, kSlotAlignBytes))
+
+    @property
+    def shot_bytes(self) -> int:
+        """The one-shot regions after the two code halves: two parities of P senders' regions."""
+        return 2 * self.world_size * self.shot_sender_bytes
 
 
 # ----------------------------------------------------------------------------------------------------

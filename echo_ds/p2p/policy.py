@@ -152,6 +152,20 @@ def one_launch_max_bytes(ranks_per_device: int) -> int:
     return kSharedGpuOneLaunchMaxBytes if ranks_per_device > 1 else 1 << 62
 
 
+# The one-shot kernel (csrc/p2p_all_reduce.cuh, p2p_one_shot_kernel): 16-bit x at P = 2 and 4 (built for those
+# only). Its largest message: a first choice, to be set from bench_p2p's side-by-side table of both variants
+# (--one-shot default,off; benchmarks/RESULTS.md, "One transport").
+ONE_SHOT_WORLD_SIZES = (2, 4)
+kOneShotMaxBytes = 256 << 10
+
+
+def one_shot_max_bytes(world_size: int) -> int:
+    """The largest message (bytes of 16-bit x) that the one-launch call runs one-shot: every rank receives
+    every sender's codes and each owner's fp32 term and reduces every segment itself (one exchange), rather
+    than two-shot (owners reduce, then gather). 0 where the one-shot kernel is not built."""
+    return kOneShotMaxBytes if world_size in ONE_SHOT_WORLD_SIZES else 0
+
+
 def p2p_transport_status(device_type: str, world_size: int, *, same_host: bool = True, peer_access: bool = True,
                          kernels_built: bool = True, kernels_error: str = "") -> tuple:
     """``(available, why_not)`` in the shape of echo_ds.deepspeed.policy.p2p_transport_status."""

@@ -113,7 +113,9 @@ class CudaTransport:
 
         # Phase 1 (local): allocate and export. A failure is carried into the exchange instead of raised,
         # so that every rank still makes the same collective calls and all fall back together.
-        sizes = {"codes": capacity.code_bytes, "params": capacity.param_bytes, "signals": L.signal_bytes()}
+        # the codes buffer: the two halves of the slots, then the one-launch call's one-shot regions (if any)
+        sizes = {"codes": capacity.code_bytes + capacity.shot_bytes, "params": capacity.param_bytes,
+                 "signals": L.signal_bytes()}
         self.local_ptr = {}
         mine = None
         try:
