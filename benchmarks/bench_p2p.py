@@ -332,7 +332,7 @@ def _sweep(buf, rank, P, dev, spec, args):
         if buf._runtime is not None and buf._one_launch_serves(spec, x.dtype) and (
                 x.numel() * x.element_size() <= buf.one_launch_max_bytes or not buf._fits_staged(x, spec)):
             return ("one launch, one-shot" if x.element_size() == 2 and x.numel() <= buf.capacity.shot_numel
-                    else "one launch")
+                    and x.numel() * 2 <= buf.one_shot_max_bytes else "one launch")
         return "staged kernels" if buf._ops is not None else "staged torch"
 
     stages = buf.stages + (", one-shot off" if buf.one_shot_max_bytes == 0 else

@@ -312,13 +312,17 @@ def check_one_shot(buf, rank, P, device):
     to the threshold and one above it, 4 and 8 bits, every residual, pow2 off and "auto", bf16 and fp16, calls
     back to back (the regions' two parities), and a CUDA graph of one-shot calls replayed with new inputs.
     Returns the number of calls compared."""
-    from echo_ds.p2p import EchoBuffer
+    from echo_ds.p2p import EchoBuffer, policy
 
-    if buf.capacity.shot_numel == 0:
+    if P not in policy.ONE_SHOT_WORLD_SIZES:
         return 0
+    # The one-shot buffer takes the policy's largest threshold whatever the ranks per GPU (where they share one,
+    # the default may be two-shot only).
+    one = EchoBuffer(max_numel=buf.capacity.max_numel, stages="fused", one_shot_max_bytes=policy.kOneShotMaxBytes)
     two = EchoBuffer(max_numel=buf.capacity.max_numel, stages="fused", one_shot_max_bytes=0)
-    assert two.active and two.capacity.shot_numel == 0, two.reason
-    top = buf.capacity.shot_numel
+    assert one.active and two.active and two.capacity.shot_numel == 0, (one.reason, two.reason)
+    buf = one
+    top = min(buf.capacity.shot_numel, buf.one_shot_max_bytes // 2)
     num = 0
     cases = [(4, None, False, torch.bfloat16), (8, "local", "auto", torch.float16), (4, "output", False, torch.bfloat16),
              (4, "local", False, torch.bfloat16)]
@@ -359,6 +363,7 @@ def check_one_shot(buf, rank, P, device):
             assert same_bits(y, spec_on_device(inputs[j], spec, comp_emul)), f"one-shot replay {j} call {c}: rank {rank}"
         assert same_state(comp, comp_emul, rank), f"one-shot replay {j}: state differs"
         num += 3
+    one.close()
     two.close()
     return num
 
@@ -556,8 +561,9 @@ def suite(rank, world_size, cfg):
         log(rank, f"P={P}: {n_plans} calls by the runtime's plans (two coefficient sets at one site, a new "
                   f"compensator, a reset): outputs and states bit-identical to the emulator's")
         n_shot = check_one_shot(buf, rank, P, device)
-        log(rank, f"P={P}: {n_shot} calls one-shot (up to {buf.one_shot_max_bytes} bytes of 16-bit x) beside a "
-                  f"two-shot buffer: both bit-identical to the emulator, outputs and states; graph replay")
+        log(rank, f"P={P}: {n_shot} calls one-shot (up to 256 KiB of 16-bit x; this buffer's default: "
+                  f"{buf.one_shot_max_bytes} bytes) beside a two-shot buffer: both bit-identical to the emulator, "
+                  f"outputs and states; graph replay")
         n_plain = check_plain(buf, rank, P, device)
         log(rank, f"P={P}: {n_plain} unquantized calls (plain_all_reduce: 3 dtypes, 1 element to 1 M, NaN, fp16 "
                   f"saturation) bit-identical to the rank-order fp32 sum and across ranks")
@@ -607,6 +613,20 @@ def killed_body(rank, world_size, cfg):
             buf.close(abort=True, barrier=False)
             return {"call": call, "waited_s": waited, "message": msg}
     raise AssertionError(f"rank {rank}: no EchoP2PTimeout after rank {P - 1} died")
+
+
+def one_shot_disagree_body(rank, P, cfg):
+    """Ranks that build their EchoBuffer with different one_shot_max_bytes: the message of the ValueError each
+    rank raises (or "no error")."""
+    from echo_ds.p2p import EchoBuffer
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    try:
+        buf = EchoBuffer(max_numel=1 << 16, stages="fused", one_shot_max_bytes=0 if rank == 0 else 1 << 18)
+    except ValueError as e:
+        return str(e)
+    buf.close()
+    return "no error"
 
 
 def mismatch_body(rank, world_size, cfg):

@@ -83,6 +83,14 @@ def test_gpu_one_launch_mismatch_is_named(world_size, field):
                      f"EchoP2PMismatch: {results[0]['message']}")
 
 
+def test_gpu_one_shot_threshold_must_agree():
+    """The one-shot regions are sized by one_shot_max_bytes and ranks making the same call must take the same
+    variant: ranks that pass different values are refused at the handshake, every one of them."""
+    results = run_distributed(p2p_suite.one_shot_disagree_body, 2, {}, timeout=120)
+    for r in results:
+        assert "same one_shot_max_bytes" in r and "rank 0: 0" in r and "rank 1: 262144" in r, r
+
+
 @pytest.mark.parametrize("stages", ("torch", "fused"))
 @pytest.mark.parametrize("world_size", (2, 4))
 def test_gpu_rank_killed_mid_call(world_size, stages):

@@ -85,3 +85,14 @@ def test_one_launch_takes_every_size_where_each_rank_has_its_own_gpu():
     assert policy.one_launch_max_bytes(1) >= 1 << 40
     for sharing in (2, 4, 8):
         assert policy.one_launch_max_bytes(sharing) == policy.kSharedGpuOneLaunchMaxBytes == 16 << 20
+
+
+def test_one_shot_threshold_by_world_size_and_sharing():
+    """The one-shot variant: 256 KiB at P = 2 and 4 where each rank has its own GPU (a prediction); where ranks
+    share one (the measured rig) at P = 2 only; never at P = 8, where its kernel is not built."""
+    assert policy.one_shot_max_bytes(2) == policy.one_shot_max_bytes(4) == 256 << 10
+    assert policy.one_shot_max_bytes(2, ranks_per_device=2) == 256 << 10
+    assert policy.one_shot_max_bytes(4, ranks_per_device=4) == 0
+    assert policy.one_shot_max_bytes(4, ranks_per_device=2) == 0
+    assert policy.one_shot_max_bytes(8) == policy.one_shot_max_bytes(8, ranks_per_device=8) == 0
+    assert policy.one_shot_max_bytes(3) == 0

@@ -196,12 +196,15 @@ class EchoBuffer:
         self.world_size = dist.get_world_size(group)
         self.timeout_s = _default_timeout() if timeout_s is None else float(timeout_s)
         self.tile_bytes = tile_bytes
-        # The one-launch call's one-shot variant (16-bit x up to this many bytes; 0: two-shot only): its regions
-        # are part of the workspace, so every rank must pass the same value (checked at the handshake).
-        self.one_shot_max_bytes = (policy.one_shot_max_bytes(self.world_size) if one_shot_max_bytes is None
-                                   else one_shot_max_bytes if self.world_size in policy.ONE_SHOT_WORLD_SIZES else 0)
-        self.capacity = L.Capacity(self.world_size, max_numel, min_group_size,
-                                   shot_numel=min(max_numel, self.one_shot_max_bytes // 2))
+        # The one-launch call's one-shot variant (16-bit x up to one_shot_max_bytes; 0: two-shot only). Its
+        # regions, part of the workspace, are sized here for the argument or for the policy's largest; the
+        # handshake then sets the threshold (the policy's for the ranks per GPU, where the argument is None) and
+        # checks that every rank has the same one.
+        self._one_shot_arg = one_shot_max_bytes
+        shot = policy.one_shot_max_bytes(self.world_size) if one_shot_max_bytes is None else (
+            one_shot_max_bytes if self.world_size in policy.ONE_SHOT_WORLD_SIZES else 0)
+        self.one_shot_max_bytes = shot
+        self.capacity = L.Capacity(self.world_size, max_numel, min_group_size, shot_numel=min(max_numel, shot // 2))
         self.transport = None
         self.active = False
         self.reason = ""
@@ -304,10 +307,12 @@ class EchoBuffer:
         """
         ok, cap, why = False, 0, ""
         sharing = sum(1 for e in everyone if e["uuid"] == uuid)
+        # the group's most ranks on one device: the same on every rank, so all take the same path
+        most = max(sum(1 for f in everyone if f["uuid"] == e["uuid"]) for e in everyone)
         if self.stages == "auto" and self._one_launch_max_bytes is None:
-            # the group's most ranks on one device: the same on every rank, so all take the same path
-            most = max(sum(1 for f in everyone if f["uuid"] == e["uuid"]) for e in everyone)
             self.one_launch_max_bytes = policy.one_launch_max_bytes(most)
+        if self._one_shot_arg is None:
+            self.one_shot_max_bytes = min(self.one_shot_max_bytes, policy.one_shot_max_bytes(self.world_size, most))
         if self.world_size not in KERNEL_WORLD_SIZES:
             why = f"the one-launch kernel is built for {KERNEL_WORLD_SIZES} ranks, not {self.world_size}"
         else:
@@ -653,7 +658,8 @@ class EchoBuffer:
         layout = A.Layout(x.numel(), self.world_size, spec.group_size)
         state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
         x = x.contiguous()
-        one_shot = x.element_size() == 2 and x.numel() <= self.capacity.shot_numel
+        one_shot = (x.element_size() == 2 and x.numel() <= self.capacity.shot_numel
+                    and x.numel() * 2 <= self.one_shot_max_bytes)
         if compensator is None:
             index = self._runtime.plan(x, None, None, None, [], 0, A.pow2_code(pow2), spec.group_size, spec.bits,
                                        K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor, one_shot)

@@ -153,17 +153,28 @@ def one_launch_max_bytes(ranks_per_device: int) -> int:
 
 
 # The one-shot kernel (csrc/p2p_all_reduce.cuh, p2p_one_shot_kernel): 16-bit x at P = 2 and 4 (built for those
-# only). Its largest message: a first choice, to be set from bench_p2p's side-by-side table of both variants
-# (--one-shot default,off; benchmarks/RESULTS.md, "One transport").
+# only). Measured with ranks sharing one H100 (benchmarks/RESULTS.md, "One transport", 2026-12-06 11:43 UTC,
+# graph replay): at P = 2 one-shot 17.1 / 18.6 us against two-shot 18.5 / 19.9 us at 64 / 256 KiB
+# (compensated: equal within 0.4 us), slower at 1 MiB (25.7 against 22.4 us); at P = 4 slower at every size
+# (37.2 against 34.3 us at 64 KiB; compensated 49.8 against 42.6 us): there every rank's reduction of all P
+# segments runs on the one GPU the ranks share.
 ONE_SHOT_WORLD_SIZES = (2, 4)
 kOneShotMaxBytes = 256 << 10
 
 
-def one_shot_max_bytes(world_size: int) -> int:
+def one_shot_max_bytes(world_size: int, ranks_per_device: int = 1) -> int:
     """The largest message (bytes of 16-bit x) that the one-launch call runs one-shot: every rank receives
     every sender's codes and each owner's fp32 term and reduces every segment itself (one exchange), rather
-    than two-shot (owners reduce, then gather). 0 where the one-shot kernel is not built."""
-    return kOneShotMaxBytes if world_size in ONE_SHOT_WORLD_SIZES else 0
+    than two-shot (owners reduce, then gather). 0 where the one-shot kernel is not built.
+
+    ranks_per_device: the most ranks of the group on one GPU (the same on every rank). Where ranks share a GPU
+    (the measured rig): 256 KiB at P = 2, none at P = 4. Each rank on a GPU of its own: 256 KiB at P = 2 and 4,
+    where the P-fold reduction runs on P GPUs and the exchange saved is a crossing of NVLink: a prediction
+    (no multi-GPU machine was available), for the first multi-GPU run of bench_p2p.py --one-shot default,off.
+    """
+    if world_size not in ONE_SHOT_WORLD_SIZES:
+        return 0
+    return 0 if ranks_per_device > 1 and world_size > 2 else kOneShotMaxBytes
 
 
 def p2p_transport_status(device_type: str, world_size: int, *, same_host: bool = True, peer_access: bool = True,
