@@ -284,6 +284,21 @@ __device__ __forceinline__ int call_exponent(const P2PAllReduceArgs& a, uint64_t
   return k;
 }
 
+// A group this rank quantized as an owner or a sender (v: its values; codes, p: their quantization; e: its first
+// element; m: the state words its contribution read): its range events without rescaling, and residual
+// "local"'s update of the state.
+template <int kBits, int kLanes>
+__device__ __forceinline__ void note_quantized(const P2PAllReduceArgs& a, RangeWatch* range, bool watch,
+                                               const float (&v)[kElemsPerThread], const Codes<kBits>& codes,
+                                               const GroupParams& p, int64_t e, int lane, int k, const StateWords& m) {
+  if (watch) watch_range<kBits, kLanes>(range, v, p, a.quantizer, lane);
+  if (a.update_local) {
+    float u[kElemsPerThread];
+    local_residual<kBits>(codes, p, v, k, u);
+    update_state<kLanes>(a.src, e, lane, m, u);
+  }
+}
+
 // The tail of one group of a reduced segment, element e its first: decode (codes, p: the group as every rank
 // receives it) into y, and residual "output"'s update (u = r' - s_hat / P, r' formed again as the entry formed
 // it: dequantize.cu, kUpdate). A group of padding only updates its state (residual "output") and writes nothing.
@@ -468,12 +483,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     const GroupParams p = quantize_group<kBits, kLanes>(acc, a.quantizer, lane, codes);
 #pragma unroll
     for (int d = 0; d < kWorld; ++d) store_packet_group<kBits, kLanes>(a.reduce_out, d, gi, lane, codes, p);
-    if (watch) watch_range<kBits, kLanes>(&range, acc, p, a.quantizer, lane);
-    if (a.update_local) {
-      float u[kElemsPerThread];
-      local_residual<kBits>(codes, p, acc, k, u);
-      update_state<kLanes>(a.src, own_e, lane, m, u);
-    }
+    note_quantized<kBits, kLanes>(a, &range, watch, acc, codes, p, own_e, lane, k, m);
   }
   signal_peers<kWorld, true>(a, tag);
 
@@ -654,12 +664,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kOneShotMinBlocks) p2p_one_shot_kernel(const 
         store_shot_group<kBits, kLanes>(shot_region<kWorld, kBits, kLanes>(a, d, me, epoch), j, gi, lane, packed, codes,
                                         p);
       }
-      if (watch) watch_range<kBits, kLanes>(&range, v, p, a.quantizer, lane);
-      if (a.update_local) {
-        float u[kElemsPerThread];
-        local_residual<kBits>(codes, p, v, k, u);
-        update_state<kLanes>(a.src, e, lane, m, u);
-      }
+      note_quantized<kBits, kLanes>(a, &range, watch, v, codes, p, e, lane, k, m);
     }
   }
   signal_peers<kWorld, false>(a, tag);
@@ -709,14 +714,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kOneShotMinBlocks) p2p_one_shot_kernel(const 
       }
       Codes<kBits> codes;
       const GroupParams p = quantize_group<kBits, kLanes>(sum, a.quantizer, lane, codes);
-      if (s == me) {  // the owner's share of the call: its range events and residual "local"
-        if (watch) watch_range<kBits, kLanes>(&range, sum, p, a.quantizer, lane);
-        if (a.update_local) {
-          float u[kElemsPerThread];
-          local_residual<kBits>(codes, p, sum, k, u);
-          update_state<kLanes>(a.src, e, lane, m, u);
-        }
-      }
+      if (s == me) note_quantized<kBits, kLanes>(a, &range, watch, sum, codes, p, e, lane, k, m);  // the owner's share
       if (a.update_output || e < numel) tail_group<T, kWorld, kBits, kLanes>(a, e, lane, k, codes, stored_params<kBits>(p, packed));
     }
   }
