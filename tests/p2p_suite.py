@@ -300,6 +300,19 @@ def check_plans(buf, rank, P, device, n=5000):
         assert same_bits(y, expected), f"{what}: output differs from the emulator"
         assert same_state(comp, comp_emul, rank), f"{what}: state differs from the emulator's"
         num += 1
+    # One compensator at two lengths by turns (two plans): the state of the other length is not fed back but
+    # allocated again at each change, as the emulator's compensator does.
+    comp, comp_emul = comps["a"]
+    for call, m in enumerate((2 * n + 3, n, 2 * n + 3, n)):
+        parts = parts_for(P, m, torch.bfloat16, 8200 + call, device)
+        y = buf.all_reduce(parts[rank], spec, compensator=comp, pow2_rescale=False, site=3)
+        expected = spec_on_device(parts, spec, comp_emul, False)
+        buf.synchronize()
+        what = f"plans: length {m} by turns, call {call}: rank {rank}"
+        assert same_bits(y, expected), f"{what}: output differs from the emulator"
+        assert same_state(comp, comp_emul, rank), f"{what}: state differs from the emulator's"
+        num += 1
+    assert comp.num_resizes == comp_emul.num_resizes == 4, (comp.num_resizes, comp_emul.num_resizes)
     if buf._runtime is not None:
         keys = [k for k in buf._plans if k[1] == n and k[6] == 3]
         assert len(keys) == 2, f"one plan per coefficient set, got {len(keys)}"

@@ -686,7 +686,13 @@ class EchoBuffer:
             y = self._runtime.call(plan.index, x)
         else:
             m1, m2, exponent = plan.state_names
-            y = self._runtime.call(plan.index, x, getattr(c, m1), m2 and getattr(c, m2), exponent and getattr(c, exponent))
+            held = getattr(c, m1)
+            if held is None or held.shape != plan.state_shape:
+                # a state of another call's length is not fed back: allocated again, as Compensator does (the
+                # runtime checks only that the arrays cover the call; their device too)
+                c._ensure(plan.state_shape, self.device)
+                held = getattr(c, m1)
+            y = self._runtime.call(plan.index, x, held, m2 and getattr(c, m2), exponent and getattr(c, exponent))
         if y is None:
             y = self._attend(x, plan, c)
         if c is not None:
