@@ -448,7 +448,8 @@ def sweep_body(rank, world_size, args):
         torch.cuda.synchronize(dev)
         buffers.append({"stages": f"{stages}, one-shot {shot}", "max_numel": max_numel,
                         "workspace": _workspace(buf),
-                        "model": BM.workspace_bytes(max_numel, P), "torch_bytes": torch.cuda.memory_allocated(dev) - before})
+                        "model": BM.workspace_bytes(max_numel, P, one_shot_max_bytes=2 * buf.capacity.shot_numel),
+                        "torch_bytes": torch.cuda.memory_allocated(dev) - before})
         for s in specs:
             rows += _sweep(buf, rank, P, dev, s, args)
         buf.close()
@@ -611,7 +612,8 @@ def print_sweep(P, res, report, cfg):
         ws, model = b["workspace"], b["model"]
         print(f"\nMemory per rank, P = {P}, {b['stages']}: IPC workspace for messages up to "
               f"{_fmt_bytes(2 * b['max_numel'])} of bf16 ({b['max_numel']} elements; driver allocations, outside "
-              f"torch's count): codes {_gib(ws['code_bytes'])} + parameters {_gib(ws['param_bytes'])} + signals "
+              f"torch's count): codes {_gib(ws['code_bytes'])} + one-shot regions {_gib(ws.get('shot_bytes', 0))} + "
+              f"parameters {_gib(ws['param_bytes'])} + signals "
               f"{_gib(ws['signal_bytes'])} + control {ws['control_bytes'] if ws['control_bytes'] is not None else '?'} B"
               f" = {_gib(ws['total_bytes'])} (model: {_gib(model['total_bytes'])}, 2.5 bytes per element of the "
               f"largest message); EchoBuffer's own torch allocations: {b['torch_bytes']} B")

@@ -67,7 +67,8 @@ def body(rank, world_size, args):
             call = lambda: buf.all_reduce(x, spec, compensator=comp, pow2_rescale=False)  # noqa: E731
             call()  # the plan and the state exist from here on
             buf.synchronize()
-            (key, plan), = [(k, p) for k, p in buf._plans.items() if k[1] == x.numel() and (k[5] is None) == (comp is None)]
+            (key, plan), = [(k, p) for k, p in buf._plans.items()
+                            if k[1] == x.numel() and (k[5] is None) == (comp is None)]
             state = [None if n is None else getattr(comp, n) for n in plan.state_names]
             runtime = lambda: rt.call(plan.index, x, *state)  # noqa: E731
             r = {"call": _per_issue(call, batch, batches, dev),

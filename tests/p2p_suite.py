@@ -337,8 +337,8 @@ def check_one_shot(buf, rank, P, device):
     buf = one
     top = min(buf.capacity.shot_numel, buf.one_shot_max_bytes // 2)
     num = 0
-    cases = [(4, None, False, torch.bfloat16), (8, "local", "auto", torch.float16), (4, "output", False, torch.bfloat16),
-             (4, "local", False, torch.bfloat16)]
+    cases = [(4, None, False, torch.bfloat16), (8, "local", "auto", torch.float16),
+             (4, "output", False, torch.bfloat16), (4, "local", False, torch.bfloat16)]
     for i, (bits, residual, pow2, dtype) in enumerate(cases):
         spec = QuantSpec(bits, (64, 128, 256, 64)[i], "zero_aware_int" if bits == 4 else "zero_aware", rotation=i != 2)
         dcfg = DirectionConfig(residual=residual or "local", gain=0.9)
@@ -373,7 +373,8 @@ def check_one_shot(buf, rank, P, device):
         graph.replay()
         buf.synchronize()
         for c, y in enumerate(ys):
-            assert same_bits(y, spec_on_device(inputs[j], spec, comp_emul)), f"one-shot replay {j} call {c}: rank {rank}"
+            assert same_bits(y, spec_on_device(inputs[j], spec, comp_emul)), \
+                f"one-shot replay {j} call {c}: rank {rank}"
         assert same_state(comp, comp_emul, rank), f"one-shot replay {j}: state differs"
         num += 3
     one.close()

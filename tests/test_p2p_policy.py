@@ -96,3 +96,33 @@ def test_one_shot_threshold_by_world_size_and_sharing():
     assert policy.one_shot_max_bytes(4, ranks_per_device=2) == 0
     assert policy.one_shot_max_bytes(8) == policy.one_shot_max_bytes(8, ranks_per_device=8) == 0
     assert policy.one_shot_max_bytes(3) == 0
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_one_shot_region_holds_every_call_up_to_its_size(world_size):
+    """P2PRuntime.plan refuses a one-shot call whose sender region exceeds Capacity.shot_sender_bytes
+    (csrc/echo_binding.cpp, shot_sender_need, replicated here and checked to be that line): every 16-bit message
+    up to the workspace's one-shot size fits, at every group size and bit width the kernels take."""
+    import math
+    from pathlib import Path
+
+    from echo_ds.ops.builder import CSRC_DIR
+    from echo_ds.ops.kernels import SUPPORTED_GROUP_SIZES
+
+    formula = ("return world_size_ * round_up(G * group_code_bytes, 256) + round_up(4 * world_size_ * G, 256) + "
+               "G * group_size * 4;")
+    assert formula in (Path(CSRC_DIR) / "echo_binding.cpp").read_text(), "shot_sender_need changed: update this test"
+    P = world_size
+    cap = Capacity(P, 1 << 20, shot_numel=policy.kOneShotMaxBytes // 2)
+
+    def r(v):
+        return -(-v // 256) * 256
+
+    top = cap.shot_numel
+    for g in SUPPORTED_GROUP_SIZES:
+        for bits in (4, 8):
+            for n in (1, g - 1, g, P * g + 1, top // 3, top - P * g + 1, top - 1, top):
+                G = math.ceil(n / (P * g))
+                need = P * r(G * g * bits // 8) + r(4 * P * G) + G * g * 4
+                assert need <= cap.shot_sender_bytes, (g, bits, n, need, cap.shot_sender_bytes)
+    assert Capacity(P, 1 << 20).shot_bytes == 0
