@@ -275,6 +275,17 @@ def check_chunked(rank, P, device, cfg):
     return num
 
 
+def same_as_emulator(buf, parts, rank, spec, comp, comp_emul, pow2, what, **kwargs):
+    """One call of ``buf`` on this rank's part, and the emulator's of the same call: the outputs and, with a
+    compensator, the states bit-identical (``what`` names the call in the assertion)."""
+    y = buf.all_reduce(parts[rank], spec, compensator=comp, pow2_rescale=pow2, **kwargs)
+    expected = spec_on_device(parts, spec, comp_emul, pow2)
+    buf.synchronize()
+    assert same_bits(y, expected), f"{what}: output differs from the emulator"
+    if comp is not None:
+        assert same_state(comp, comp_emul, rank), f"{what}: state differs from the emulator's"
+
+
 def check_plans(buf, rank, P, device, n=5000):
     """The one-launch plans (P2PRuntime.plan: built once per call key, coefficients and descriptor included):
     compensators of two configurations that differ only in their coefficients, interleaved at one site and size;
@@ -293,24 +304,16 @@ def check_plans(buf, rank, P, device, n=5000):
                 c.reset()
         comp, comp_emul = comps[which]
         parts = parts_for(P, n, torch.bfloat16, 8100 + call, device)
-        y = buf.all_reduce(parts[rank], spec, compensator=comp, pow2_rescale=False, site=3)
-        expected = spec_on_device(parts, spec, comp_emul, False)
-        buf.synchronize()
-        what = f"plans: call {call} with compensator {which!r}: rank {rank}"
-        assert same_bits(y, expected), f"{what}: output differs from the emulator"
-        assert same_state(comp, comp_emul, rank), f"{what}: state differs from the emulator's"
+        same_as_emulator(buf, parts, rank, spec, comp, comp_emul, False, f"plans: call {call} with compensator "
+                         f"{which!r}: rank {rank}", site=3)
         num += 1
     # One compensator at two lengths by turns (two plans): the state of the other length is not fed back but
     # allocated again at each change, as the emulator's compensator does.
     comp, comp_emul = comps["a"]
     for call, m in enumerate((2 * n + 3, n, 2 * n + 3, n)):
         parts = parts_for(P, m, torch.bfloat16, 8200 + call, device)
-        y = buf.all_reduce(parts[rank], spec, compensator=comp, pow2_rescale=False, site=3)
-        expected = spec_on_device(parts, spec, comp_emul, False)
-        buf.synchronize()
-        what = f"plans: length {m} by turns, call {call}: rank {rank}"
-        assert same_bits(y, expected), f"{what}: output differs from the emulator"
-        assert same_state(comp, comp_emul, rank), f"{what}: state differs from the emulator's"
+        same_as_emulator(buf, parts, rank, spec, comp, comp_emul, False,
+                         f"plans: length {m} by turns, call {call}: rank {rank}", site=3)
         num += 1
     assert comp.num_resizes == comp_emul.num_resizes == 4, (comp.num_resizes, comp_emul.num_resizes)
     if buf._runtime is not None:
