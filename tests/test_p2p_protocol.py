@@ -231,6 +231,14 @@ def test_one_launch_max_bytes_is_checked(bad):
         EchoBuffer(one_launch_max_bytes=bad)
 
 
+@pytest.mark.parametrize("bad", (-1, 1.5, True, "256K"))
+def test_one_shot_max_bytes_is_checked(bad):
+    from echo_ds.p2p import EchoBuffer
+
+    with pytest.raises(ValueError, match="one_shot_max_bytes"):
+        EchoBuffer(one_shot_max_bytes=bad)
+
+
 def test_call_descriptor_round_trip_and_mismatch_message():
     base = dict(numel=1000, dtype="bfloat16", bits=4, group_size=128, quantizer="zero_aware", rotation=True,
                 pow2=False, residual="local")
