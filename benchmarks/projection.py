@@ -10,7 +10,8 @@ The model, per GPU and call (every rank on its own GPU):
 * Echo: max(HBM bytes / (copy bandwidth x efficiency), bytes sent / link bandwidth): the kernels overlap
   their HBM traffic with the peer writes (the one launch does all of it in one grid), so the slower of the
   two bounds the call. HBM bytes and bytes sent are the bytes model's (bf16 x, zero_aware_int at g = 64,
-  the default configuration; 4 and 8 bits; uncompensated and compensated with residual "local"). The
+  the default configuration; 4 and 8 bits; uncompensated and compensated with residual "local" and the
+  default stored state, PROJECTED["state_dtype"]; the measured calls' state was bf16). The
   efficiency is the measured one (below), interpolated in the HBM bytes one GPU moves per call (log-log),
   held at the ends of the measured range; the goal's tables raise it to TARGET_EFFICIENCY wherever a GPU
   moves at least the bytes of a 4 MiB message in the measured setup (issue 36's goal: >= 70 % of the floor
@@ -38,6 +39,10 @@ from typing import Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bytes_model as BM  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from echo_ds import compensator as C  # noqa: E402
+from echo_ds.config import ForwardConfig  # noqa: E402
+
 MIB = 1 << 20
 
 # ----------------------------------------------------------------------------------------------------
@@ -51,7 +56,7 @@ MIB = 1 << 20
 # benchmarks/RESULTS.md, "One launch per call", the 14:44 UTC run of 2026-12-04 (raw figures:
 # benchmarks/runs/2026-12-04_one_launch_1444_bench_p2p.json). Microseconds by message size in bytes.
 MEASURED_CONFIG = {"dtype": "bfloat16", "bits": 4, "group_size": 128, "quantizer": "zero_aware", "pow2": False,
-                   "residual_compensated": "local"}
+                   "residual_compensated": "local", "state_dtype": "bf16"}  # the state format of that day
 MEASURED_US: Dict[Tuple[int, str, bool], Dict[int, float]] = {
     # (P, path, compensated): {message bytes: graph-replay us per call}
     (2, "staged", False): {64 << 10: 17.6, 256 << 10: 18.3, 1 << 20: 19.7, 4 << 20: 26.9, 16 << 20: 58.0,
@@ -95,8 +100,10 @@ NCCL_STEP_LATENCY_US = 0.47
 NCCL_BUSBW_BYTES_PER_S = 370e9  # as MACHINES' link: NCCL_ALGO=RING busbw (nccl-tests issue 212)
 NCCL_ELEMENT_BYTES = 2  # the 16-bit all-reduce Echo replaces
 
-# The projected configuration (the default "echo" section: bf16 activations, zero_aware_int at g = 64).
-PROJECTED = {"dtype": "bfloat16", "group_size": 64, "quantizer": "zero_aware_int", "pow2": False}
+# The projected configuration (the default "echo" section: bf16 activations, zero_aware_int at g = 64, the
+# compensator's default stored state format).
+PROJECTED = {"dtype": "bfloat16", "group_size": 64, "quantizer": "zero_aware_int", "pow2": False,
+             "state_dtype": ForwardConfig().state_dtype}
 VARIANTS = ((4, False), (4, True), (8, False), (8, True))  # (bits, compensated)
 TARGET_EFFICIENCY = 0.70  # issue 36's goal: >= 70 % of the floor from 4 MiB to 1 GiB
 TARGET_MIN_BYTES = 4 * MIB
@@ -117,7 +124,8 @@ def measured_efficiency(P: int, path: str, compensated: bool) -> List[Tuple[int,
     for size in sizes:
         n = size // BM.element_bytes(cfg["dtype"])
         c = BM.call_bytes(P, n, cfg["dtype"], cfg["bits"], cfg["group_size"], cfg["quantizer"],
-                          cfg["residual_compensated"] if compensated else "none", cfg["pow2"])
+                          cfg["residual_compensated"] if compensated else "none", cfg["pow2"],
+                          state_bytes_per_element=C.state_bytes_per_element(cfg["state_dtype"], cfg["group_size"]))
         gpu_bytes = P * c.hbm_bytes
         best_us = min(MEASURED_US[(P, p, compensated)][size] for p in paths)
         out.append((size, gpu_bytes, gpu_bytes / MEASURED_COPY_BYTES_PER_S / (best_us * 1e-6)))
@@ -131,7 +139,8 @@ def goal_gpu_bytes(measured_p: int, compensated: bool) -> float:
     cfg = MEASURED_CONFIG
     c = BM.call_bytes(measured_p, TARGET_MIN_BYTES // BM.element_bytes(cfg["dtype"]), cfg["dtype"], cfg["bits"],
                       cfg["group_size"], cfg["quantizer"], cfg["residual_compensated"] if compensated else "none",
-                      cfg["pow2"])
+                      cfg["pow2"], state_bytes_per_element=C.state_bytes_per_element(cfg["state_dtype"],
+                                                                                   cfg["group_size"]))
     return measured_p * c.hbm_bytes
 
 
@@ -162,7 +171,9 @@ def echo_seconds(message_bytes: int, machine: str, bits: int, compensated: bool,
     copy_bw = m["hbm_peak_bytes_per_s"] * MEASURED_COPY_BYTES_PER_S / MEASURED_HBM_PEAK_BYTES_PER_S
     n = message_bytes // BM.element_bytes(PROJECTED["dtype"])
     c = BM.call_bytes(P, n, PROJECTED["dtype"], bits, PROJECTED["group_size"], PROJECTED["quantizer"],
-                      "local" if compensated else "none", PROJECTED["pow2"])
+                      "local" if compensated else "none", PROJECTED["pow2"],
+                      state_bytes_per_element=C.state_bytes_per_element(PROJECTED["state_dtype"],
+                                                                      PROJECTED["group_size"]))
     points = [(gpu_bytes, eff) for _, gpu_bytes, eff in measured_efficiency(measured_p, path, compensated)]
     eff = interpolate(points, c.hbm_bytes)
     if target and c.hbm_bytes >= goal_gpu_bytes(measured_p, compensated):
@@ -256,7 +267,8 @@ def main(argv=None) -> int:
         print(f"\n{WORLD_SIZE} x {machine} (HBM {m['hbm_peak_bytes_per_s'] / 1e12:.2f} TB/s peak, copy "
               f"{copy_bw / 1e12:.2f} TB/s; link {m['link_bytes_per_s'] / 1e9:.0f} GB/s per direction, NVLS off): "
               f"time per call in us; Echo bf16 {PROJECTED['quantizer']} g = {PROJECTED['group_size']}, "
-              f"compensated = residual local; h / w = bound by HBM / by the wire; x = NCCL's time over Echo's")
+              f"compensated = residual local, state {PROJECTED['state_dtype']}; h / w = bound by HBM / by the wire; "
+              f"x = NCCL's time over Echo's")
         for target in (False, True):
             label = "measured efficiency" if not target else (
                 f"the goal's efficiency: raised to {100 * TARGET_EFFICIENCY:.0f} % wherever a GPU moves at least "

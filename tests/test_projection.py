@@ -57,3 +57,19 @@ def test_goal_efficiency_and_crossover():
     pts = [(1.0, 0.1), (100.0, 0.4)]
     assert PJ.interpolate(pts, 10.0) == pytest.approx(0.2)
     assert PJ.interpolate(pts, 0.5) == 0.1 and PJ.interpolate(pts, 1e6) == 0.4
+
+
+def test_compensated_projection_uses_the_default_state_format():
+    """The projected compensated call stores the compensator's default state format (int4 since issue 34); the
+    efficiency comes from the measured calls, whose state was bf16."""
+    from echo_ds import compensator as C
+    from echo_ds.config import ForwardConfig
+
+    assert PJ.PROJECTED["state_dtype"] == ForwardConfig().state_dtype
+    n = (64 << 20) // 2
+    e = PJ.echo_seconds(64 << 20, "H200", 4, True)
+    c = PJ.BM.call_bytes(PJ.WORLD_SIZE, n, "bfloat16", 4, 64, "zero_aware_int", "local", False,
+                         state_bytes_per_element=C.state_bytes_per_element(ForwardConfig().state_dtype, 64))
+    assert e["hbm_bytes"] == c.hbm_bytes
+    bf16 = PJ.BM.call_bytes(PJ.WORLD_SIZE, n, "bfloat16", 4, 64, "zero_aware_int", "local", False)
+    assert c.hbm_bytes < bf16.hbm_bytes, "the narrow state moves fewer bytes than the bf16 one"
