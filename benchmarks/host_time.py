@@ -98,8 +98,7 @@ def main(argv=None) -> int:
     print(f"host time per issue, rank 0 of P = {args.world_size} ({torch.cuda.get_device_name(0)}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median of {args.batches} batches of {args.batch})")
     print(f"pybind floor {res['pybind floor'] * 1e6:.2f} us, empty launch {res['empty launch'] * 1e6:.2f} us")
-    cols = list(next(v for k, v in res.items() if isinstance(v, dict)))
-    cols += [c for v in res.values() if isinstance(v, dict) for c in v if c not in cols]
+    cols = list(dict.fromkeys(c for v in res.values() if isinstance(v, dict) for c in v))  # in order, once each
     print("| message | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, r in res.items():
