@@ -350,9 +350,9 @@ void pow2_amax(const at::Tensor& x, const at::Tensor& amax_out, const OptTensor&
 }
 
 // The one-launch p2p all-reduce of a group (p2p_all_reduce.cu): every rank's workspace as this process
-// maps it, this rank's control block, the error record; one all_reduce call is one binding call and one
-// launch (the pow2 max is taken inside it), one launch per chunk where the message is larger than the
-// workspace. EchoBuffer (echo_ds/p2p/buffer.py) does the handshake and owns the memory the addresses point
+// maps it, this rank's control block, the error record; a call's plan is built once (plan), then each call
+// is one binding call (call) and one launch (the pow2 max is taken inside it), one launch per chunk where the
+// message is larger than the workspace. EchoBuffer (echo_ds/p2p/buffer.py) does the handshake and owns the memory the addresses point
 // to; this object owns only its control block. staged_poisoned: the staged transport's poison word (0:
 // none), which this rank's first failure sets too (echo_api.cuh, P2PAllReduceArgs).
 class P2PRuntime {
@@ -521,7 +521,6 @@ class P2PRuntime {
 
   // Forget every plan (the Python side's cache was cleared: their indices are no longer held).
   void clear_plans() { plans_.clear(); }
-  int64_t num_plans() const { return static_cast<int64_t>(plans_.size()); }
 
   // y = the sum of x over the group without quantization (the 16-bit baseline: the fp32 sum in rank order,
   // rounded once to x's dtype; echo_api.cuh, launch_p2p_plain_all_reduce), through the same protocol.
@@ -843,7 +842,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("m2") = py::none(), py::arg("exponent") = py::none())
       .def("set_range_seen", &P2PRuntime::set_range_seen, py::arg("clipped"), py::arg("underflow"))
       .def("clear_plans", &P2PRuntime::clear_plans)
-      .def_property_readonly("num_plans", &P2PRuntime::num_plans)
       .def("plain_all_reduce", &P2PRuntime::plain_all_reduce, py::arg("x"), py::arg("y"), py::arg("descriptor"),
            py::arg("stream"))
       .def("close", &P2PRuntime::close)

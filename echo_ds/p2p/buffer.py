@@ -682,22 +682,25 @@ class EchoBuffer:
             torch.cuda.synchronize(self.device)
             os._exit(17)  # tests: a rank dies in the middle of the group's call (its peers wait for it)
         c = compensator
-        if c is None:
-            y = self._runtime.call(plan.index, x)
-        else:
-            m1, m2, exponent = plan.state_names
-            held = getattr(c, m1)
-            if held is None or held.shape != plan.state_shape:
-                # a state of another call's length is not fed back: allocated again, as Compensator does (the
-                # runtime checks only that the arrays cover the call; their device too)
-                c._ensure(plan.state_shape, self.device)
-                held = getattr(c, m1)
-            y = self._runtime.call(plan.index, x, held, m2 and getattr(c, m2), exponent and getattr(c, exponent))
+        y = self._runtime_call(x, plan, c)
         if y is None:
             y = self._attend(x, plan, c)
         if c is not None:
             c.num_calls += 1  # as Compensator.update does; the kernel updated the state
         return y
+
+    def _runtime_call(self, x, plan, c):
+        """P2PRuntime.call with the compensator's state in the kernels' (m1, m2, exponent) places: y, or None."""
+        if c is None:
+            return self._runtime.call(plan.index, x)
+        m1, m2, exponent = plan.state_names
+        held = getattr(c, m1)
+        if held is None or held.shape != plan.state_shape:
+            # a state of another call's length is not fed back: allocated again, as Compensator does (the
+            # runtime checks only that the arrays cover the call; their device too)
+            c._ensure(plan.state_shape, self.device)
+            held = getattr(c, m1)
+        return self._runtime.call(plan.index, x, held, m2 and getattr(c, m2), exponent and getattr(c, exponent))
 
     def _attend(self, x, plan, c) -> torch.Tensor:
         """The runtime returned None without launching: a wait of this group failed (check() raises it), the
@@ -707,13 +710,9 @@ class EchoBuffer:
         for _ in range(1024):
             self._note_range(plan.bits)
             self.check()
-            if c is None:
-                y = self._runtime.call(plan.index, x)
-            else:
-                c._ensure(plan.state_shape, self.device)
-                m1, m2, exponent = plan.state_names
-                y = self._runtime.call(plan.index, x, getattr(c, m1), m2 and getattr(c, m2),
-                                       exponent and getattr(c, exponent))
+            if c is not None:
+                c._ensure(plan.state_shape, self.device)  # the device too (the runtime refuses another)
+            y = self._runtime_call(x, plan, c)
             if y is not None:
                 return y
         raise proto.EchoP2PError("echo p2p: the one-launch call was refused 1024 times with no failure recorded "
