@@ -9,7 +9,14 @@
 #            1048576,off: one-shot up to 1 MiB beside every call two-shot);
 #   suite    the quick p2p suite at P = 2 (SUITE_K, a pytest -k expression: "test_gpu_suite" for P = 2, 4
 #            and 8; tests/test_p2p_gpu.py);
-#   kernels  the stage kernels against the reference (tests/test_kernels_gpu.py).
+#   kernels  the stage kernels against the reference (tests/test_kernels_gpu.py);
+#   large    the one launch beside the staged pipeline, 4 MiB to 256 MiB at P = 2 and 4 (64 MiB at P = 8),
+#            eager and graph replay (bench_p2p.py --stages fused,kernels: the table kept before the staged
+#            pipeline may go);
+#   grid     the one launch at P = 2, 64 and 256 MiB, with each rank's grid at GRID_BLOCKS (default "33 66
+#            132": a quarter, the half the buffer takes, and the full even share of the resident blocks;
+#            ECHO_P2P_MAX_BLOCKS): what the co-residency cap of ranks sharing a GPU costs. At the full share
+#            a call can hang until the timeout (RESULTS.md, 2026-12-04 15:33): each run is bounded.
 #
 #   OUT=/some/dir bash benchmarks/gpu_one_transport.sh
 #
@@ -43,6 +50,18 @@ for s in $STEPS; do
       ECHO_P2P_QUICK=1 timeout 290 $PYTEST -m gpu tests/test_p2p_gpu.py -k "${SUITE_K:-test_gpu_suite and 2}" \
         --timeout 280 > "$OUT/suite.log" 2>&1
       grep -E "passed|failed|Error" "$OUT/suite.log" | tail -5 ;;
+    large)
+      timeout 300 python3 benchmarks/bench_p2p.py --world-sizes 2,4,8 --max-bytes-at 8:67108864 --min-bytes 4194304 \
+        --max-bytes 268435456 --factor 4 --stages fused,kernels --bits 4 --warmup 2 --iters 5 --graph-reps 5 \
+        --pingpong 0 --tile-sweep-bytes 0 --copy-bytes 268435456 --check-max-bytes 16777216 > "$OUT/large.log" 2>&1
+      grep -E "^\|" "$OUT/large.log" | grep -v "^|---" | head -60 ;;
+    grid)
+      for b in ${GRID_BLOCKS:-33 66 132}; do
+        ECHO_P2P_MAX_BLOCKS=$b timeout 120 python3 benchmarks/bench_p2p.py --world-sizes 2 --min-bytes 67108864 \
+          --max-bytes 268435456 --factor 4 --stages fused --bits 4 --warmup 2 --iters 5 --graph-reps 5 --pingpong 0 \
+          --tile-sweep-bytes 0 --copy-bytes 268435456 --check-max-bytes 0 > "$OUT/grid_$b.log" 2>&1
+        echo "rc $? blocks $b"; grep -E "^\|" "$OUT/grid_$b.log" | grep -v "^|---" | head -12
+      done ;;
     kernels)
       timeout 250 $PYTEST -m gpu tests/test_kernels_gpu.py --timeout 240 > "$OUT/kernels.log" 2>&1
       grep -E "passed|failed|Error" "$OUT/kernels.log" | tail -5 ;;
