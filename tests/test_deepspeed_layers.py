@@ -166,6 +166,27 @@ def _cfg(**over):
 kPlain = 2**40  # min_message_bytes above every message: the exact path, at every site
 
 
+class _PlainRecorder:
+    """A stand-in for a p2p EchoBuffer in front of the exact calls: records (site, direction) of each
+    plain_all_reduce it serves and sums over torch.distributed."""
+
+    active = True
+
+    def __init__(self, serves: bool):
+        self.serves, self.calls = serves, []
+
+    def plain_serves(self, x) -> bool:
+        return self.serves
+
+    def plain_all_reduce(self, x, *, site=None, direction=None):
+        import torch.distributed as dist
+
+        self.calls.append((site, direction))
+        y = x.detach().clone()
+        dist.all_reduce(y)
+        return y
+
+
 # ----------------------------------------------------------------------------------------------------
 # The worker: every scenario on the same two ranks
 # ----------------------------------------------------------------------------------------------------
@@ -376,6 +397,15 @@ def _scenarios(rank, world_size, shm_port):
     net(x)
     res["min_message_at_threshold"] = (rt.stats.forward_calls, rt.stats.forward_plain_calls)
     echo.disable(net)
+    # Below min_message_bytes, a p2p buffer whose one-launch call serves the message takes the exact call
+    # (EchoBuffer.plain_all_reduce, which carries the site's descriptor); one that does not, DeepSpeed's.
+    for serves in (True, False):
+        rt = echo.enable(net, _cfg(min_message_bytes=kPlain))
+        rt.buffer = recorder = _PlainRecorder(serves)
+        out = net(x).detach()
+        rt.buffer = None  # the stand-in holds nothing to close
+        res[f"plain_on_buffer_{serves}"] = (recorder.calls, rt.stats.forward_plain_calls, torch.equal(out, exact_out))
+        echo.disable(net)
     rt = echo.enable(net, _cfg(early_sites={"bits": 8, "fraction": 0.5}))
     with torch.no_grad():
         net(x)
@@ -633,6 +663,11 @@ def test_min_message_bytes_and_early_sites(results):
     r = results[0]
     assert r["min_message"] == (0, 4, True)
     assert r["min_message_at_threshold"] == (4, 0)
+    # the four forward sites (two blocks, two row-parallel layers each) of a training forward, on the buffer
+    calls, plain, equal = r["plain_on_buffer_True"]
+    assert [d for _, d in calls] == ["forward"] * 4 and len({s for s, _ in calls}) == 4, calls
+    assert plain == 4 and equal
+    assert r["plain_on_buffer_False"] == ([], 4, True)
     sent, expected = r["early_sites_bytes"]
     assert sent == expected
 

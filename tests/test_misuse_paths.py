@@ -449,3 +449,44 @@ def test_gpu_pow2_on_off_mismatch_is_named():
         assert r["call"] == 3 and r["buffer_calls"] == 3, r
         assert "pow2_rescale: rank" in r["message"] and "different arguments" in r["message"], r
         assert r["waited_s"] < 10.0, r
+
+
+def deepspeed_exact_body(rank, world_size):
+    """The DeepSpeed mode on the p2p backend with every message below min_message_bytes: its exact calls run on
+    the buffer's 16-bit one-launch call (the fp32 sum in rank order, rounded once); in the second call the
+    last rank is at another site, which every rank must name (EchoP2PMismatch) long before the timeout."""
+    import torch.distributed as dist
+
+    from echo_ds.config import EchoConfig
+    from echo_ds.deepspeed import FORWARD, EchoRuntime
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    rt = EchoRuntime(EchoConfig(bits=4, backend="p2p", min_message_bytes=1 << 30), dist.group.WORLD, device)
+    buf = rt.buffer
+    assert buf is not None and buf._runtime is not None, rt.backend_reason
+    sites = [rt.add_site("blocks.0.o", FORWARD), rt.add_site("blocks.1.o", FORWARD)]
+    rt.begin_forward_pass(False)
+    parts = torch.randn(world_size, 4097, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = parts.float().sum(0).bfloat16()  # P = 2: one rounding of the exact fp32 sum
+    y = rt.reduce(parts[rank].to(device), sites[0])
+    buf.synchronize()
+    out = {"equal": torch.equal(y.cpu(), want), "buffer_calls": buf.num_calls,
+           "plain_calls": rt.stats.forward_plain_calls}
+
+    def issue(call):
+        if call == 2:
+            rt.reduce(parts[rank].to(device), sites[1 if rank == world_size - 1 else 0])
+
+    out.update(_first_mismatch(buf, rank, issue))
+    rt.buffer = None  # closed by _first_mismatch
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_deepspeed_exact_calls_on_the_one_launch_call():
+    for rank, r in enumerate(run_distributed(deepspeed_exact_body, 2, timeout=180)):
+        assert r["equal"] and r["plain_calls"] == 1, r
+        assert r["call"] == 2 and r["buffer_calls"] == 2, r
+        assert "different arguments" in r["message"] and r["waited_s"] < 10.0, r

@@ -413,11 +413,18 @@ class EchoRuntime:
             raise EchoCallMismatch(f"{e} " + " ".join(hints), e.fields, e.call) from None
 
     def _plain_checked(self, x: torch.Tensor, site: Site) -> torch.Tensor:
-        """The exact all-reduce of an Echo site, refused on device when the ranks are not at the same call
-        (``_gated``)."""
+        """The exact all-reduce of an Echo site (a message below ``min_message_bytes``), refused when the ranks
+        are not at the same call.
+
+        On a p2p buffer whose one-launch call serves x: that family's 16-bit call (EchoBuffer.plain_all_reduce,
+        the owner's fp32 sum in rank order, rounded once), whose flags carry the site's descriptor, so that
+        ranks at different calls raise EchoP2PMismatch; custom 16-bit all-reduces beat NCCL at these sizes.
+        Otherwise DeepSpeed's all-reduce behind the device-side site check (``_gated``)."""
         if self.world_size == 1:
             return plain_all_reduce(x, site.group)
         kind = site.direction if site.direction == BACKWARD or self._training_pass else "eval"
+        if self.buffer is not None and self.buffer.plain_serves(x):
+            return self.buffer.plain_all_reduce(x, site=site.site_id, direction=kind)
         return plain_all_reduce(self._gated(x, site, kind, 16), site.group)
 
     def _p2p_staged(self, x: torch.Tensor) -> bool:

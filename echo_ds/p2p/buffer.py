@@ -606,6 +606,12 @@ class EchoBuffer:
         descriptor = _call_descriptor(x, spec, compensator, pow2, site, direction)
         rt.plain_all_reduce(self._gate_x, self._gate_y, descriptor, _raw_stream(self.device))
 
+    def plain_serves(self, x: torch.Tensor) -> bool:
+        """Whether ``plain_all_reduce(x)`` runs on the one-launch call (its flags carry the call's descriptor),
+        rather than on torch.distributed.all_reduce."""
+        return (self._runtime is not None and not self.closed and x.device == self.device and x.numel() > 0
+                and str(x.dtype).replace("torch.", "") in proto.DESCRIPTOR_DTYPES)
+
     def plain_all_reduce(self, x: torch.Tensor, *, site: Optional[int] = None,
                          direction: Optional[str] = None) -> torch.Tensor:
         """The sum of ``x`` over the group without quantization: a new tensor of x's shape and dtype.
@@ -621,8 +627,7 @@ class EchoBuffer:
             raise TypeError(f"plain_all_reduce expects a floating-point tensor, got {x.dtype}")
         if self.closed:
             raise proto.EchoP2PError("echo p2p: plain_all_reduce on a closed EchoBuffer")
-        if (self._runtime is None or x.device != self.device or x.numel() == 0
-                or str(x.dtype).replace("torch.", "") not in proto.DESCRIPTOR_DTYPES):
+        if not self.plain_serves(x):
             y = x.detach().clone()
             dist.all_reduce(y, group=self.group)
             return y
