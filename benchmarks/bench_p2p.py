@@ -329,7 +329,7 @@ def _sweep(buf, rank, P, dev, spec, args):
     from tests.p2p_suite import all_same, digest, same_bits
 
     def path_of(x):  # the path EchoBuffer.all_reduce takes for x (its stages setting decides per size)
-        if buf._runtime is not None and buf._one_launch_serves(spec, x.dtype) and (
+        if buf.one_launch is not None and buf._one_launch_serves(spec, x.dtype) and (
                 x.numel() * x.element_size() <= buf.one_launch_max_bytes or not buf._fits_staged(x, spec)):
             return ("one launch, one-shot" if x.element_size() == 2 and x.numel() <= buf.capacity.shot_numel
                     and x.numel() * 2 <= buf.one_shot_max_bytes else "one launch")
@@ -378,7 +378,7 @@ def _sweep(buf, rank, P, dev, spec, args):
                 g_med, g_lo, g_hi = _time_graph(buf, x, spec, comp, pow2, args["iters"], args["graph_reps"])
                 row[label].update(graph_median_s=g_med, graph_min_s=g_lo, graph_max_s=g_hi)
             del comp
-        if buf._runtime is not None and spec.bits == args["bits"][0]:
+        if buf.one_launch is not None and spec.bits == args["bits"][0]:
             # The unquantized call of the same family: the in-run 16-bit baseline (one per size and path).
             from tests.p2p_suite import plain_expected
 

@@ -54,10 +54,10 @@ def body(rank, world_size, args):
     dev = torch.device("cuda", torch.cuda.current_device())
     spec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
     buf = EchoBuffer(max_numel=max(args["sizes"]) // 2, stages="fused")
-    assert buf.active and buf._runtime is not None, buf.reason
+    assert buf.active and buf.one_launch is not None, buf.reason
     batch, batches = args["batch"], args["batches"]
     tiny = torch.zeros(1, device=dev)
-    rt = buf._runtime
+    rt = buf.one_launch.runtime  # the extension object itself: its calls are pybind calls
     rows = {"pybind floor": _per_issue(lambda: rt.max_blocks, batch, batches, dev),
             "empty launch": _per_issue(tiny.zero_, batch, batches, dev)}
     for size in args["sizes"]:
@@ -67,13 +67,13 @@ def body(rank, world_size, args):
             call = lambda: buf.all_reduce(x, spec, compensator=comp, pow2_rescale=False)  # noqa: E731
             call()  # the plan and the state exist from here on
             buf.synchronize()
-            (key, plan), = [(k, p) for k, p in buf._plans.items()
+            (key, plan), = [(k, p) for k, p in buf.one_launch.plans.items()
                             if k[1] == x.numel() and (k[5] is None) == (comp is None)]
             state = [None if n is None else getattr(comp, n) for n in plan.state_names]
             runtime = lambda: rt.call(plan.index, x, *state)  # noqa: E731
             r = {"call": _per_issue(call, batch, batches, dev),
                  "runtime": _per_issue(runtime, batch, batches, dev),
-                 "key and lookup": _per_issue(lambda: buf._plans.get(
+                 "key and lookup": _per_issue(lambda: buf.one_launch.plans.get(
                      (x.dtype, x.numel(), x.device, spec, False, None if comp is None else comp.kernel_key, None,
                       None)), batch, batches, dev),
                  "empty_like": _per_issue(lambda: torch.empty_like(x), batch, batches, dev)}

@@ -233,7 +233,7 @@ def check_chunked(rank, P, device, cfg):
     from echo_ds.p2p import EchoBuffer
 
     buf = EchoBuffer(max_numel=1 << 14, timeout_s=cfg.get("timeout_s", 10.0), stages="fused")
-    assert buf.active and buf._runtime is not None, buf.reason
+    assert buf.active and buf.one_launch is not None, buf.reason
     num = 0
     for i, n in enumerate((1000, 50_001, 200_003, 333_333)):
         for residual, pow2, bits, dtype in (("local", "auto", 4, torch.bfloat16), ("output", False, 8, torch.float32),
@@ -316,8 +316,8 @@ def check_plans(buf, rank, P, device, n=5000):
                          f"plans: length {m} by turns, call {call}: rank {rank}", site=3)
         num += 1
     assert comp.num_resizes == comp_emul.num_resizes == 4, (comp.num_resizes, comp_emul.num_resizes)
-    if buf._runtime is not None:
-        keys = [k for k in buf._plans if k[1] == n and k[6] == 3]
+    if buf.one_launch is not None:
+        keys = [k for k in buf.one_launch.plans if k[1] == n and k[6] == 3]
         assert len(keys) == 2, f"one plan per coefficient set, got {len(keys)}"
     return num
 
@@ -420,7 +420,7 @@ def check_formats_chunked(rank, P, device, cfg):
     from echo_ds.p2p import EchoBuffer
 
     buf = EchoBuffer(max_numel=1 << 14, timeout_s=cfg.get("timeout_s", 10.0), stages="fused")
-    assert buf.active and buf._runtime is not None, buf.reason
+    assert buf.active and buf.one_launch is not None, buf.reason
     num = 0
     spec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
     for state_dtype in ("int4", "int8"):
@@ -533,15 +533,15 @@ def suite(rank, world_size, cfg):
     assert buf.active, buf.reason
     table = buf.table
     assert len(table) == 3 * P + 1 and len(set(table)) == 3 * P + 1, table
-    if buf._runtime is not None:
-        stages = (f"one launch per call (echo_ds.ops P2PRuntime, grid <= {buf._runtime.max_blocks} blocks; the "
+    if buf.one_launch is not None:
+        stages = (f"one launch per call (echo_ds.ops P2PRuntime, grid <= {buf.one_launch.max_blocks} blocks; the "
                   f"staged pipeline through torch for group size 16)")
     else:
         stages = "staged kernels of echo_ds.ops (torch for group size 16)" if buf._ops is not None else "torch"
     if cfg.get("stages") in ("kernels", "fused"):
         assert buf._ops is not None, "the kernels of echo_ds.ops did not load"
     if cfg.get("stages") == "fused":
-        assert buf._runtime is not None, "the one-launch call is off"
+        assert buf.one_launch is not None, "the one-launch call is off"
     out.append(f"P={P}: EchoBuffer up in {time.perf_counter() - t0:.2f} s (probe passed, table of {len(table)} "
                f"addresses, stages: {stages})")
     log(rank, out[-1])
@@ -569,11 +569,11 @@ def suite(rank, world_size, cfg):
     n_formats = check_state_formats(buf, rank, P, device)
     log(rank, f"P={P}: {n_formats} calls with the compensator state in each format ({', '.join(STATE_DTYPES)}) on "
               f"the p2p transport ({stages}): outputs and states bit-identical to the emulator's")
-    if cuda and buf._runtime is not None and cfg.get("chunked", True):
+    if cuda and buf.one_launch is not None and cfg.get("chunked", True):
         n_narrow = check_formats_chunked(rank, P, device, cfg)
         log(rank, f"P={P}: {n_narrow} calls with an int4 or int8 state chunk by chunk: outputs and states "
                   f"bit-identical to the emulator's")
-    if cuda and buf._runtime is not None:
+    if cuda and buf.one_launch is not None:
         n_plans = check_plans(buf, rank, P, device)
         log(rank, f"P={P}: {n_plans} calls by the runtime's plans (two coefficient sets at one site, a new "
                   f"compensator, a reset): outputs and states bit-identical to the emulator's")
@@ -613,7 +613,7 @@ def killed_body(rank, world_size, cfg):
     buf = EchoBuffer(max_numel=1 << 20, timeout_s=cfg["timeout_s"], transport=cfg["transport"], stages=stages)
     assert buf.active, buf.reason
     if stages == "fused":
-        assert buf._runtime is not None, "the one-launch call is off"
+        assert buf.one_launch is not None, "the one-launch call is off"
     if rank == P - 1:
         buf._fault = (cfg["kill_call"], "exit_after_push")
     spec = QuantSpec(4, 128)
@@ -654,7 +654,7 @@ def mismatch_body(rank, world_size, cfg):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     buf = EchoBuffer(max_numel=1 << 20, timeout_s=cfg["timeout_s"], stages="fused")
-    assert buf.active and buf._runtime is not None, buf.reason
+    assert buf.active and buf.one_launch is not None, buf.reason
     odd = rank == world_size - 1
     t0 = time.perf_counter()
     for call in range(1, 6):

@@ -337,7 +337,7 @@ def chunked_mismatch_body(rank, world_size, field):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     buf = EchoBuffer(max_numel=kChunkedMaxNumel, timeout_s=10.0, stages="fused")
-    assert buf.active and buf._runtime is not None, buf.reason
+    assert buf.active and buf.one_launch is not None, buf.reason
     spec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
     comps = {s: make_compensator(DirectionConfig(state_dtype=s)) for s in kNarrow}
     odd = rank == world_size - 1
@@ -397,11 +397,11 @@ def staged_mismatch_body(rank, world_size, how):
     device = torch.device("cuda", torch.cuda.current_device())
     n = 9 << 20 if how == "large" else 3001
     buf = EchoBuffer(max_numel=n, timeout_s=10.0, stages="auto" if how == "large" else "kernels")
-    assert buf.active and buf._owned_runtime is not None, buf.reason
+    assert buf.active and buf.gates_staged, buf.reason
     if how == "large":  # the one launch is there, and the message is above its hand-over (ranks share the GPU)
-        assert buf._runtime is not None and 2 * n > buf.one_launch_max_bytes, buf.one_launch_max_bytes
+        assert buf.one_launch is not None and 2 * n > buf.one_launch_max_bytes, buf.one_launch_max_bytes
     else:  # stages="kernels": no one-launch call, the runtime only for the gate
-        assert buf._runtime is None
+        assert buf.one_launch is None
 
     def issue(call):
         bits = 8 if call == 3 and rank == world_size - 1 else 4
@@ -432,7 +432,7 @@ def pow2_mismatch_body(rank, world_size):
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     buf = EchoBuffer(max_numel=1 << 16, timeout_s=10.0, stages="fused")
-    assert buf.active and buf._runtime is not None, buf.reason
+    assert buf.active and buf.one_launch is not None, buf.reason
     spec = QuantSpec(4, 64, "zero_aware_int", True)
 
     def issue(call):
@@ -464,7 +464,7 @@ def deepspeed_exact_body(rank, world_size):
     device = torch.device("cuda", torch.cuda.current_device())
     rt = EchoRuntime(EchoConfig(bits=4, backend="p2p", min_message_bytes=1 << 30), dist.group.WORLD, device)
     buf = rt.buffer
-    assert buf is not None and buf._runtime is not None, rt.backend_reason
+    assert buf is not None and buf.one_launch is not None, rt.backend_reason
     sites = [rt.add_site("blocks.0.o", FORWARD), rt.add_site("blocks.1.o", FORWARD)]
     rt.begin_forward_pass(False)
     parts = torch.randn(world_size, 4097, generator=torch.Generator().manual_seed(3)).bfloat16()

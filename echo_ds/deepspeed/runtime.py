@@ -431,7 +431,7 @@ class EchoRuntime:
         """Whether the p2p buffer may run this call with no call descriptor in its flags: only where it has
         no one-launch runtime (the one launch carries the descriptor in its flags, and EchoBuffer puts a
         launch of the same family carrying it in front of every staged call, EchoBuffer._gate_staged)."""
-        return getattr(self.buffer, "_owned_runtime", None) is None
+        return not self.buffer.gates_staged
 
     def _gated(self, x: torch.Tensor, site: Site, kind: str, bits: int) -> torch.Tensor:
         """``x``, or NaN in its place on every rank where the ranks are not at the same call.

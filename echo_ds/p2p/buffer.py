@@ -1,8 +1,9 @@
 """EchoBuffer: the one owner of a tensor-parallel group's p2p resources (DeepEP's ``Buffer``).
 
-It owns the transport (the handshake, close), routes each call (the reference path, the one-launch call or
-the staged pipeline) and issues the one-launch call itself; the staged pipeline's executor (its schedules,
-stage streams and events) is echo_ds.p2p.stages.StagedPipeline, which it creates with the transport.
+It owns the transport (the handshake, close) and routes each call (the reference path, the one-launch call or
+the staged pipeline). The one-launch call's plans and launches are echo_ds.p2p.call.OneLaunch (around the
+extension's P2PRuntime) and the staged pipeline's executor (its schedules, stage streams and events) is
+echo_ds.p2p.stages.StagedPipeline; it creates both over the transport once the handshake succeeded.
 
 ::
 
@@ -40,7 +41,7 @@ import logging
 import os
 import socket
 import weakref
-from typing import List, NamedTuple, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,9 +51,10 @@ from echo_ds import collective
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import policy
 from echo_ds.p2p import protocol as proto
+from echo_ds.p2p.call import OneLaunch, call_descriptor, state_dtype
 from echo_ds.p2p.stages import StagedPipeline
 from echo_ds.log import log_once
-from echo_ds.ops.kernels import KERNEL_WORLD_SIZES, kernel_state
+from echo_ds.ops.kernels import KERNEL_WORLD_SIZES
 from echo_ds.quant import QuantSpec
 from echo_ds.reference import check_differentiable_input, echo_all_reduce
 
@@ -83,41 +85,6 @@ def _host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
-
-
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _raw_stream(device: torch.device) -> int:
-    """The current stream's handle (torch's raw accessor where the build has it: no Stream object)."""
-    if _current_raw_stream is not None:
-        return _current_raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def _state_dtype(compensator) -> str:
-    """The compensator's stored state format ("bf16" without a compensator)."""
-    return "bf16" if compensator is None else getattr(compensator, "state_dtype", "bf16")
-
-
-def _call_descriptor(x: torch.Tensor, spec: QuantSpec, compensator, pow2, site, direction) -> int:
-    """The 32-bit descriptor of an Echo call (echo_ds.p2p.protocol.call_descriptor): the one-launch call's
-    flags and the staged calls' gate carry it."""
-    return proto.call_descriptor(
-        numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), bits=spec.bits, group_size=spec.group_size,
-        quantizer=spec.quantizer, rotation=spec.rotation, pow2=pow2,
-        residual="none" if compensator is None else compensator.residual, site=site, direction=direction,
-        state_dtype=_state_dtype(compensator))
-
-
-class _OneLaunchPlan(NamedTuple):
-    """index: of the runtime's plan (P2PRuntime.plan); bits: for the range events' warning; state_shape: of the
-    compensator's state; state_names: the compensator's tensors in the kernels' (m1, m2, exponent) places."""
-
-    index: int
-    bits: int
-    state_shape: tuple
-    state_names: tuple
 
 
 def _default_timeout() -> float:
@@ -209,14 +176,13 @@ class EchoBuffer:
         self.active = False
         self.reason = ""
         self.closed = False
-        self._runtime = None  # echo_ds.ops' P2PRuntime where the one-launch call serves calls (stages allowing)
-        # The runtime itself, whatever the stages: the staged calls' descriptor gate (_gate_staged); close()
-        # frees it (also after on_fault="reference" retired the one-launch call).
-        self._owned_runtime = None
-        self._gate_x = self._gate_y = None
+        # The one-launch call (echo_ds.p2p.call.OneLaunch) where it serves calls (stages allowing), else None.
+        self.one_launch: Optional[OneLaunch] = None
+        # The same object whatever the stages: the staged calls' descriptor gate (_gate_staged); close() frees
+        # it (also after on_fault="reference" retired the one-launch call).
+        self._owned = None
         self._on_reference = False  # on_fault="reference" moved the group to the reference path
         self._decisions = {}  # call-policy key -> Decision (a pure function of the key)
-        self._plans = {}  # a call's key -> the one-launch call's arguments (see all_reduce)
         self._range_seen = (0, 0)  # the kernels' range counters as last folded (_note_range)
         self._range_bits = 4  # the bit width the range warning names: the last call's without rescaling
         self._pipeline = None  # echo_ds.p2p.stages.StagedPipeline, once the transport exists
@@ -350,19 +316,10 @@ class EchoBuffer:
                 logger.info("echo p2p: %s", msg)
             return
         cap = min(v[1] for v in verdicts)
-        t = self.transport
-        P = self.world_size
-        self._owned_runtime = ext.P2PRuntime(
-            self.rank, P, [t.peer_ptr[j]["codes"] for j in range(P)], [t.peer_ptr[j]["params"] for j in range(P)],
-            [t.peer_ptr[j]["signals"] + L.kFusedFlagsOffset for j in range(P)], self.capacity.code_bytes // 2,
-            self.capacity.param_bytes // 2, t.error_dev_ptr, t.error_host_ptr, t.timeout_ns, cap,
-            t.control_ptr + t.layout["control.poisoned"], self.device.index,
-            [t.peer_ptr[j]["codes"] + self.capacity.code_bytes for j in range(P)] if self.capacity.shot_bytes else [],
-            self.capacity.shot_sender_bytes)
-        # stages "kernels" / "torch" keep the runtime for the staged calls' descriptor gate only
-        self._runtime = self._owned_runtime if self.stages in ("auto", "fused") else None
-        self._gate_x = torch.zeros(1, dtype=torch.float32, device=self.device)
-        self._gate_y = torch.empty_like(self._gate_x)
+        self._owned = OneLaunch(ext, self.transport, self.rank, self.world_size, self.capacity, cap, self.device,
+                                self.one_shot_max_bytes)
+        # stages "kernels" / "torch" keep it for the staged calls' descriptor gate only
+        self.one_launch = self._owned if self.stages in ("auto", "fused") else None
         if sharing > 1 and self.rank == 0:
             logger.info("echo p2p: %d ranks share one device: the one-launch kernel's grid is capped at %d blocks "
                         "per rank, so that every rank's blocks are resident at once", sharing, cap)
@@ -445,6 +402,13 @@ class EchoBuffer:
         return self.transport.table_entries() if self.transport is not None else []
 
     @property
+    def gates_staged(self) -> bool:
+        """Whether the staged calls carry their descriptor: a launch of the one-launch family goes first
+        (_gate_staged). False without a one-launch runtime (the host transport, or a group where it could not
+        be built): callers then check the ranks' agreement themselves."""
+        return self._owned is not None
+
+    @property
     def num_calls(self) -> int:
         return self._num_calls
 
@@ -498,8 +462,8 @@ class EchoBuffer:
         if counts != self._range_seen:
             (clipped, underflow), (seen_c, seen_u) = counts, self._range_seen
             self._range_seen = counts
-            if self._owned_runtime is not None:
-                self._owned_runtime.set_range_seen(*counts)  # its calls go on launching (P2PRuntime.call)
+            if self._owned is not None:
+                self._owned.set_range_seen(*counts)  # its calls go on launching (P2PRuntime.call)
             A.note_range(clipped - seen_c, underflow - seen_u, self._range_bits, "EchoBuffer.all_reduce")
 
     def would_use_p2p(self, x: torch.Tensor, spec: QuantSpec, compensator=None) -> policy.Decision:
@@ -507,9 +471,9 @@ class EchoBuffer:
         if not self.active:
             return policy.Decision(False, self.reason)
         telemetry = bool(compensator is not None and compensator.telemetry)
-        state_dtype = _state_dtype(compensator)
+        state_dtype_ = state_dtype(compensator)
         device_matches = x.device == self.device
-        key = (x.dtype, x.numel(), spec.bits, spec.group_size, telemetry, device_matches, state_dtype)
+        key = (x.dtype, x.numel(), spec.bits, spec.group_size, telemetry, device_matches, state_dtype_)
         decision = self._decisions.get(key)
         if decision is None:
             if len(self._decisions) >= 4096:
@@ -517,7 +481,7 @@ class EchoBuffer:
             decision = self._decisions[key] = policy.call_decision(
                 dtype=x.dtype, numel=x.numel(), element_size=x.element_size(), world_size=self.world_size,
                 bits=spec.bits, group_size=spec.group_size, capacity=self.capacity, telemetry=telemetry,
-                device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype), state_dtype=state_dtype)
+                device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype), state_dtype=state_dtype_)
         return decision
 
     def _one_launch_serves(self, spec: QuantSpec, dtype: torch.dtype) -> bool:
@@ -525,7 +489,7 @@ class EchoBuffer:
         workspace)."""
         from echo_ds.ops import kernels as K
 
-        return self._runtime is not None and K.unsupported_reason(self.world_size, spec, dtype) is None
+        return self.one_launch is not None and K.unsupported_reason(self.world_size, spec, dtype) is None
 
     def _fits_staged(self, x: torch.Tensor, spec: QuantSpec) -> bool:
         """The whole message fits the workspace, as the staged pipeline needs."""
@@ -542,11 +506,11 @@ class EchoBuffer:
         site, direction: the caller's (as for echo_all_reduce): ranks that disagree on them, or on any
         argument, raise EchoP2PMismatch (EchoCallMismatch on the reference path).
         """
-        plan = None
-        if self._runtime is not None:  # the one-launch fast path: one dict lookup, then the call
+        one = self.one_launch
+        if one is not None:  # the one-launch fast path: one dict lookup, then the call
             key = (x.dtype, x.numel(), x.device, spec, pow2_rescale,
                    None if compensator is None else compensator.kernel_key, site, direction)
-            plan = self._plans.get(key)
+            plan = one.plans.get(key)
             if plan is not None and not self.closed and not (x.requires_grad and torch.is_grad_enabled()):
                 return self._one_launch(x, plan, compensator)  # checks the error record in C++
         if not x.is_floating_point():
@@ -565,14 +529,11 @@ class EchoBuffer:
                                    site=site, direction=direction)
         self.check()
         # Without rescaling, the one-launch call at any size: its kernel counts the range events (issue 35).
-        if self._runtime is not None and (x.numel() * x.element_size() <= self.one_launch_max_bytes
-                                          or pow2_rescale is False or not self._fits_staged(x, spec)):
-            if len(self._plans) >= 4096:
-                self._plans.clear()
-                self._runtime.clear_plans()
+        if one is not None and (x.numel() * x.element_size() <= self.one_launch_max_bytes
+                                or pow2_rescale is False or not self._fits_staged(x, spec)):
             plan = self._one_launch_plan(x, spec, compensator, pow2_rescale, site, direction)
             if plan is not None:
-                self._plans[key] = plan
+                one.remember(key, plan)
                 return self._one_launch(x, plan, compensator)
         if pow2_rescale is False and self._pipeline.stages_for(x, spec) == "kernels":
             # NOTE: the staged kernels do not check what the format can express; the one launch, the torch
@@ -600,16 +561,13 @@ class EchoBuffer:
         calls mixes. Costs one launch and one flag round trip per staged call (tens of microseconds, against
         their hundreds of host time). Without a runtime (the host transport, or a group whose one-launch
         runtime could not be built) there is no gate: docs/errors.md."""
-        rt = self._owned_runtime
-        if rt is None:
-            return
-        descriptor = _call_descriptor(x, spec, compensator, pow2, site, direction)
-        rt.plain_all_reduce(self._gate_x, self._gate_y, descriptor, _raw_stream(self.device))
+        if self._owned is not None:
+            self._owned.gate(call_descriptor(x, spec, compensator, pow2, site, direction))
 
     def plain_serves(self, x: torch.Tensor) -> bool:
         """Whether ``plain_all_reduce(x)`` runs on the one-launch call (its flags carry the call's descriptor),
         rather than on torch.distributed.all_reduce."""
-        return (self._runtime is not None and not self.closed and x.device == self.device and x.numel() > 0
+        return (self.one_launch is not None and not self.closed and x.device == self.device and x.numel() > 0
                 and str(x.dtype).replace("torch.", "") in proto.DESCRIPTOR_DTYPES)
 
     def plain_all_reduce(self, x: torch.Tensor, *, site: Optional[int] = None,
@@ -637,7 +595,7 @@ class EchoBuffer:
         descriptor = proto.plain_call_descriptor(numel=x.numel(), dtype=str(x.dtype).replace("torch.", ""), site=site,
                                                  direction=direction)
         self._num_calls += 1
-        self._runtime.plain_all_reduce(x, y, descriptor, _raw_stream(self.device))
+        self.one_launch.plain(x, y, descriptor)
         return y
 
     # ------------------------------------------------------------------------------------------------
@@ -645,10 +603,8 @@ class EchoBuffer:
     # ------------------------------------------------------------------------------------------------
 
     def _one_launch_plan(self, x: torch.Tensor, spec: QuantSpec, compensator, pow2, site, direction):
-        """The one-launch call's plan for calls like this one (None: the kernel does not support it), built once
-        in the runtime (P2PRuntime.plan: layout, chunks, slots, flags, Hadamard table, coefficients, descriptor):
-        _OneLaunchPlan. Only calls the policy accepted get here; the plan is cached by their key, which holds
-        everything the runtime's plan fixed (the compensator's coefficients included: Compensator.kernel_key)."""
+        """The one-launch call's plan for calls like this one (OneLaunch.plan), or None where its kernel does not
+        support the call (it then runs the staged pipeline)."""
         from echo_ds.ops import kernels as K
 
         why = K.unsupported_reason(self.world_size, spec, x.dtype)
@@ -657,25 +613,7 @@ class EchoBuffer:
                 _warn_once(f"the one-launch kernel does not support this call ({why}); it runs the staged "
                            f"pipeline", self.rank)
             return None
-        signs, norm = K._hadamard_args(spec)
-        residual = "none" if compensator is None else compensator.residual
-        descriptor = _call_descriptor(x, spec, compensator, pow2, site, direction)
-        layout = A.Layout(x.numel(), self.world_size, spec.group_size)
-        state_shape = (self.world_size, layout.groups_per_segment, spec.group_size)
-        x = x.contiguous()
-        one_shot = (x.element_size() == 2 and x.numel() <= self.capacity.shot_numel
-                    and x.numel() * 2 <= self.one_shot_max_bytes)
-        if compensator is None:
-            index = self._runtime.plan(x, None, None, None, [], 0, A.pow2_code(pow2), spec.group_size, spec.bits,
-                                       K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor, one_shot)
-            return _OneLaunchPlan(index, spec.bits, state_shape, (None, None, None))
-        c = compensator
-        c._ensure(state_shape, self.device)
-        state = kernel_state(c)
-        index = self._runtime.plan(x, state["m1"], state["m2"], state["exponent"], list(c.kernel_key[3:]),
-                                   proto.DESCRIPTOR_RESIDUALS.index(residual), A.pow2_code(pow2), spec.group_size,
-                                   spec.bits, K.QUANTIZER_CODES[spec.quantizer], signs, norm, descriptor, one_shot)
-        return _OneLaunchPlan(index, spec.bits, state_shape, K.kernel_state_names(c.state_dtype))
+        return self.one_launch.plan(x, spec, compensator, pow2, site, direction)
 
     def _one_launch(self, x, plan, compensator):
         """The one-launch call by ``plan``: one crossing into the runtime, which checks the error record, allocates
@@ -687,25 +625,12 @@ class EchoBuffer:
             torch.cuda.synchronize(self.device)
             os._exit(17)  # tests: a rank dies in the middle of the group's call (its peers wait for it)
         c = compensator
-        y = self._runtime_call(x, plan, c)
+        y = self.one_launch.call(x, plan, c)
         if y is None:
             y = self._attend(x, plan, c)
         if c is not None:
             c.num_calls += 1  # as Compensator.update does; the kernel updated the state
         return y
-
-    def _runtime_call(self, x, plan, c):
-        """P2PRuntime.call with the compensator's state in the kernels' (m1, m2, exponent) places: y, or None."""
-        if c is None:
-            return self._runtime.call(plan.index, x)
-        m1, m2, exponent = plan.state_names
-        held = getattr(c, m1)
-        if held is None or held.shape != plan.state_shape:
-            # a state of another call's length is not fed back: allocated again, as Compensator does (the
-            # runtime checks only that the arrays cover the call; their device too)
-            c._ensure(plan.state_shape, self.device)
-            held = getattr(c, m1)
-        return self._runtime.call(plan.index, x, held, m2 and getattr(c, m2), exponent and getattr(c, exponent))
 
     def _attend(self, x, plan, c) -> torch.Tensor:
         """The runtime returned None without launching: a wait of this group failed (check() raises it), the
@@ -717,7 +642,7 @@ class EchoBuffer:
             self.check()
             if c is not None:
                 c._ensure(plan.state_shape, self.device)  # the device too (the runtime refuses another)
-            y = self._runtime_call(x, plan, c)
+            y = self.one_launch.call(x, plan, c)
             if y is not None:
                 return y
         raise proto.EchoP2PError("echo p2p: the one-launch call was refused 1024 times with no failure recorded "
@@ -745,9 +670,10 @@ class EchoBuffer:
         if self._backend_name is not None:  # the group's Echo calls (the custom op) go to the reference
             collective.drop_backend(self._backend_name, self)
             self._backend_name = None
-        # The one-launch fast path tests _runtime first; the runtime itself stays alive for close().
-        self._runtime = None  # close() frees it (_owned_runtime)
-        self._plans.clear()
+        # The one-launch fast path tests one_launch first; the runtime itself stays alive for close().
+        self.one_launch = None  # close() frees it (_owned)
+        if self._owned is not None:
+            self._owned.plans.clear()
         self.active = False
         self.reason = f"a failed wait moved the group to the reference path (on_fault='reference'): {error}: {failure}"
         logger.warning("echo p2p: rank %d of %d: %s; the calls that raised or were not checked yet returned "
@@ -785,9 +711,9 @@ class EchoBuffer:
                 self._note_range(transport=t)  # the last calls' range events
         finally:
             t.abort()
-            runtime, self._runtime, self._owned_runtime = self._owned_runtime, None, None
-            if runtime is not None:
-                runtime.close()  # its control block (no call is in flight any more)
+            owned, self.one_launch, self._owned = self._owned, None, None
+            if owned is not None:
+                owned.close()  # the runtime's control block (no call is in flight any more)
             try:
                 t.close_peers()
                 if barrier and dist.is_initialized():
