@@ -54,7 +54,7 @@ for s in $STEPS; do
         --timeout 280 > "$OUT/suite.log" 2>&1
       grep -E "passed|failed|Error" "$OUT/suite.log" | tail -5 ;;
     large)
-      timeout 300 python3 benchmarks/bench_p2p.py --world-sizes 2,4,8 --max-bytes-at 8:67108864 --min-bytes 4194304 \
+      timeout 300 python3 benchmarks/bench_p2p.py --world-sizes 2,4,8 --max-bytes-at 8:67108864 --min-bytes ${LARGE_MIN:-4194304} \
         --max-bytes 268435456 --factor 4 --stages fused,kernels --bits 4 --warmup 2 --iters 5 --graph-reps 5 \
         --pingpong 0 --tile-sweep-bytes 0 --copy-bytes 268435456 --check-max-bytes 16777216 > "$OUT/large.log" 2>&1
       grep -E "^\|" "$OUT/large.log" | grep -v "^|---" | head -60 ;;
@@ -72,7 +72,7 @@ for s in $STEPS; do
       for v in ${PREFETCH_ROUNDS:-on off on}; do
         n=$((n + 1))
         if [ "$v" = off ]; then x="TORCH_EXTENSIONS_DIR=/tmp/ext_noprefetch ECHO_DS_NVCC_EXTRA=-DECHO_P2P_PREFETCH=0"; else x=""; fi
-        env $x timeout 150 python3 benchmarks/bench_p2p.py --world-sizes 2,4 --min-bytes 4194304 --max-bytes 268435456 \
+        env $x timeout 150 python3 benchmarks/bench_p2p.py --world-sizes 2,4 --min-bytes ${LARGE_MIN:-4194304} --max-bytes 268435456 \
           --factor 4 --stages fused --bits 4 --warmup 2 --iters 5 --graph-reps 5 --pingpong 0 --tile-sweep-bytes 0 \
           --copy-bytes 268435456 --check-max-bytes 16777216 > "$OUT/prefetch_${n}_$v.log" 2>&1
         echo "== round $n: prefetch $v (rc $?)"; grep -E "^\|" "$OUT/prefetch_${n}_$v.log" | grep -v "^|---" | head -24
