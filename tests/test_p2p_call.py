@@ -13,6 +13,7 @@ from echo_ds.ops import kernels as K
 from echo_ds.p2p import call as C
 from echo_ds.p2p import layout as L
 from echo_ds.quant import QuantSpec
+from utils import run_distributed
 
 kSpec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
 
@@ -22,6 +23,7 @@ class _Runtime:
 
     def __init__(self, *args):
         self.ctor, self.plans, self.calls, self.cleared, self.closed = args, [], [], 0, False
+        self.plain_calls, self.refuse = [], 0  # refuse: how many of the next calls return None
 
     def plan(self, *args):
         self.plans.append(args)
@@ -29,7 +31,13 @@ class _Runtime:
 
     def call(self, index, x, *state):
         self.calls.append((index, state))
+        if self.refuse:
+            self.refuse -= 1
+            return None
         return torch.empty_like(x)
+
+    def plain_all_reduce(self, x, y, descriptor, stream):
+        self.plain_calls.append((x.numel(), descriptor))
 
     def clear_plans(self):
         self.cleared += 1
@@ -112,3 +120,46 @@ def test_the_plan_cache_starts_again_at_its_bound():
     assert list(one.plans) == ["next"] and one.runtime.cleared == 1
     one.close()
     assert one.runtime.closed and not one.plans
+
+
+def _routes_body(rank, world_size):
+    """EchoBuffer on the host transport with the stand-in as its one-launch call: which calls reach it."""
+    from echo_ds.p2p import EchoBuffer
+
+    C.raw_stream = lambda device: 0  # no CUDA stream on the CPU
+    buf = EchoBuffer(transport="host", max_numel=1 << 14, timeout_s=30.0)
+    assert buf.active, buf.reason
+    one = C.OneLaunch(_Ext, _Transport(world_size), rank, world_size, buf.capacity, 66, buf.device, 0)
+    buf._owned = buf.one_launch = one
+    rt = one.runtime
+    comp = make_compensator(DirectionConfig(state_dtype="bf16"))
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    out = {}
+    for _ in range(2):  # the plan once, then the fast path
+        y = buf.all_reduce(x, kSpec, compensator=comp, pow2_rescale=False, site=1, direction="forward")
+    out["twice"] = (len(rt.plans), len(rt.calls), buf.num_calls, comp.num_calls, tuple(y.shape))
+    rt.refuse = 2  # the runtime launches nothing twice: EchoBuffer attends (folds, checks) and calls again
+    buf.all_reduce(x, kSpec, compensator=comp, pow2_rescale=False, site=1, direction="forward")
+    out["refused"] = (len(rt.calls), buf.num_calls, comp.num_calls)
+    buf.plain_all_reduce(x, site=2, direction="backward")
+    out["plain"] = rt.plain_calls[-1][0]
+    # g = 16: not the kernels' group size, the staged pipeline (torch stages), behind the gate's plain launch
+    spec16 = QuantSpec(4, 16, "zero_aware_int", rotation=True)
+    y16 = buf.all_reduce(x, spec16, pow2_rescale=True, site=3, direction="forward")
+    out["gate"] = (rt.plain_calls[-1][0], len(rt.plain_calls), len(rt.calls))
+    parts = [torch.randn(3000, generator=torch.Generator().manual_seed(r)).bfloat16() for r in range(world_size)]
+    from echo_ds.emulate import emulated_echo_all_reduce
+
+    out["staged_exact"] = torch.equal(y16, emulated_echo_all_reduce(torch.stack(parts), spec16, pow2_rescale=True))
+    buf.close()
+    out["closed"] = rt.closed and buf.one_launch is None
+    return out
+
+
+def test_echo_buffer_routes_calls_through_its_one_launch_call():
+    for r in run_distributed(_routes_body, 2, timeout=120):
+        assert r["twice"] == (1, 2, 2, 2, (3000,)), r  # one plan, two launches
+        assert r["refused"] == (5, 3, 3), r  # two refusals and the launch: one call, counted once
+        assert r["plain"] == 3000, r
+        assert r["gate"] == (1, 2, 5), r  # a one-element gate, no one-launch call
+        assert r["staged_exact"] and r["closed"], r
