@@ -332,13 +332,14 @@ __device__ __forceinline__ void tail_group(const P2PAllReduceArgs& a, int64_t e,
   store_thread<T, kLanes>(static_cast<T*>(a.out), e, lane, numel, aligned16(a.out), v);
 }
 
-// The next item's data into the L2 while the block works on the current one (ECHO_P2P_PREFETCH, default 1;
-// -DECHO_P2P_PREFETCH=0 builds without, for comparison: benchmarks/RESULTS.md). A hint: one bulk prefetch per
+// The next item's data into the L2 while the block works on the current one, with -DECHO_P2P_PREFETCH=1 (an
+// experiment, off by default: no GPU has run it yet; benchmarks/gpu_one_transport.sh, step "prefetch", times
+// both builds side by side). Off, the kernel's PTX is byte-identical to the one before. A hint: one bulk prefetch per
 // range (cp.async.bulk.prefetch.L2, sm_90), which holds no register and is never waited for, so the bits and
 // the register budget are the kernel's without it. The range is shrunk to 16-byte bounds, as the instruction
 // requires: nothing outside [p, p + bytes) is touched.
 #ifndef ECHO_P2P_PREFETCH
-#define ECHO_P2P_PREFETCH 1
+#define ECHO_P2P_PREFETCH 0
 #endif
 __device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
 #if ECHO_P2P_PREFETCH && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
