@@ -51,7 +51,8 @@ from echo_ds import collective
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import policy
 from echo_ds.p2p import protocol as proto
-from echo_ds.p2p.call import OneLaunch, call_descriptor, state_dtype
+from echo_ds.p2p.call import OneLaunch, call_descriptor
+from echo_ds.p2p.call import state_dtype as _state_dtype
 from echo_ds.p2p.stages import StagedPipeline
 from echo_ds.log import log_once
 from echo_ds.ops.kernels import KERNEL_WORLD_SIZES
@@ -471,9 +472,9 @@ class EchoBuffer:
         if not self.active:
             return policy.Decision(False, self.reason)
         telemetry = bool(compensator is not None and compensator.telemetry)
-        state_dtype_ = state_dtype(compensator)
+        state_dtype = _state_dtype(compensator)
         device_matches = x.device == self.device
-        key = (x.dtype, x.numel(), spec.bits, spec.group_size, telemetry, device_matches, state_dtype_)
+        key = (x.dtype, x.numel(), spec.bits, spec.group_size, telemetry, device_matches, state_dtype)
         decision = self._decisions.get(key)
         if decision is None:
             if len(self._decisions) >= 4096:
@@ -481,7 +482,7 @@ class EchoBuffer:
             decision = self._decisions[key] = policy.call_decision(
                 dtype=x.dtype, numel=x.numel(), element_size=x.element_size(), world_size=self.world_size,
                 bits=spec.bits, group_size=spec.group_size, capacity=self.capacity, telemetry=telemetry,
-                device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype), state_dtype=state_dtype_)
+                device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype), state_dtype=state_dtype)
         return decision
 
     def _one_launch_serves(self, spec: QuantSpec, dtype: torch.dtype) -> bool:
