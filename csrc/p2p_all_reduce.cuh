@@ -157,6 +157,23 @@ struct RangeWatch {
   uint32_t clipped;
 };
 
+// The start of every launch of the family (finish_launch is its end): thread 0 reads the control block's epoch
+// into the block's shared word (this launch's is one above) and, kRange, clears the block's range words; then
+// every thread takes the epoch and the tag this call's flags hold, (epoch << 32) | descriptor.
+struct LaunchTag {
+  uint64_t epoch, tag;
+};
+template <bool kRange>
+__device__ __forceinline__ LaunchTag begin_launch(const P2PAllReduceArgs& a, uint64_t& epoch_shared, RangeWatch* range) {
+  if (threadIdx.x == 0) {
+    epoch_shared = *reinterpret_cast<volatile uint64_t*>(&a.control->epoch) + 1;
+    if constexpr (kRange) *range = RangeWatch{0ull, 0u};
+  }
+  __syncthreads();
+  const uint64_t epoch = epoch_shared;
+  return {epoch, ((epoch & 0xffffffffu) << 32) | a.descriptor};
+}
+
 template <int kBits, int kLanes>
 __device__ __forceinline__ void watch_range(RangeWatch* w, const float (&v)[kElemsPerThread], const GroupParams& p,
                                             Quantizer quantizer, int lane) {
@@ -392,13 +409,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   P2PControl* control = a.control;
   P2PFlags* mine = a.flags[me];
 
-  if (threadIdx.x == 0) {
-    epoch_shared = *reinterpret_cast<volatile uint64_t*>(&control->epoch) + 1;
-    range = RangeWatch{0ull, 0u};
-  }
-  __syncthreads();
-  const uint64_t epoch = epoch_shared;
-  const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;  // what this call's flags hold
+  const auto [epoch, tag] = begin_launch<true>(a, epoch_shared, &range);
   const bool watch = a.pow2 == 0;
 
   const int k = call_exponent<T, kWorld, kLanes>(a, tag, me, control, mine);
@@ -693,13 +704,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kOneShotMinBlocks) p2p_one_shot_kernel(const 
   P2PControl* control = a.control;
   P2PFlags* mine = a.flags[me];
 
-  if (threadIdx.x == 0) {
-    epoch_shared = *reinterpret_cast<volatile uint64_t*>(&control->epoch) + 1;
-    range = RangeWatch{0ull, 0u};
-  }
-  __syncthreads();
-  const uint64_t epoch = epoch_shared;
-  const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;
+  const auto [epoch, tag] = begin_launch<true>(a, epoch_shared, &range);
   const bool watch = a.pow2 == 0;
   const bool packed = a.push_out.packed != 0;  // the parameters' format (P2PRuntime sets it in every table)
   const int k = call_exponent<T, kWorld, kLanes>(a, tag, me, control, mine);
@@ -822,10 +827,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(
   const auto slot = [](uint8_t* codes) { return reinterpret_cast<T*>(codes); };
   const auto element = [&](int seg, int64_t gl) { return int64_t(seg) * seg_elems + (a.chunk_begin + gl) * kPlainGroupSize; };
 
-  if (threadIdx.x == 0) epoch_shared = *reinterpret_cast<volatile uint64_t*>(&a.control->epoch) + 1;
-  __syncthreads();
-  const uint64_t epoch = epoch_shared;
-  const uint64_t tag = ((epoch & 0xffffffffu) << 32) | a.descriptor;
+  const auto [epoch, tag] = begin_launch<false>(a, epoch_shared, nullptr);  // no range words: no range events
   P2PFlags* mine = a.flags[me];
   const auto for_groups = [&](auto&& body) {  // this block's groups of the chunk
     for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
