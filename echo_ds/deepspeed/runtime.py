@@ -418,7 +418,8 @@ class EchoRuntime:
 
         On a p2p buffer whose one-launch call serves x: that family's 16-bit call (EchoBuffer.plain_all_reduce,
         the owner's fp32 sum in rank order, rounded once), whose flags carry the site's descriptor, so that
-        ranks at different calls raise EchoP2PMismatch; custom 16-bit all-reduces beat NCCL at these sizes.
+        ranks at different calls raise EchoP2PMismatch (vLLM serves small messages with such a custom all-reduce
+        rather than NCCL; this project has not compared the two).
         Otherwise DeepSpeed's all-reduce behind the device-side site check (``_gated``)."""
         if self.world_size == 1:
             return plain_all_reduce(x, site.group)
