@@ -329,7 +329,7 @@ def _sweep(buf, rank, P, dev, spec, args):
     from tests.p2p_suite import all_same, digest, same_bits
 
     def path_of(x):  # the path EchoBuffer.all_reduce takes for x (its stages setting decides per size)
-        if buf.one_launch is not None and buf._one_launch_serves(spec, x.dtype) and (
+        if buf._one_launch_serves(spec, x.dtype) and (
                 x.numel() * x.element_size() <= buf.one_launch_max_bytes or not buf._fits_staged(x, spec)):
             return ("one launch, one-shot" if x.element_size() == 2 and x.numel() <= buf.capacity.shot_numel
                     and x.numel() * 2 <= buf.one_shot_max_bytes else "one launch")
