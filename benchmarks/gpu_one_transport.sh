@@ -9,10 +9,6 @@
 #            1048576,off: one-shot up to 1 MiB beside every call two-shot);
 #   suite    the quick p2p suite at P = 2 (SUITE_K, a pytest -k expression: "test_gpu_suite" for P = 2, 4
 #            and 8; tests/test_p2p_gpu.py);
-#   prefetch the one launch built with and without its next-item L2 prefetch (ECHO_P2P_PREFETCH=1, an
-#            experiment, in its own extension directory, against the shipped build), LARGE_MIN (4 MiB) to 256 MiB
-#            at P = 2 and 4, graph replay, one bench_p2p run each in the order of PREFETCH_ROUNDS (default
-#            "on off on"); rows up to 16 MiB checked against the emulator;
 #   kernels  the stage kernels against the reference (tests/test_kernels_gpu.py);
 #   large    the one launch beside the staged pipeline, 4 MiB to 256 MiB at P = 2 and 4 (64 MiB at P = 8),
 #            eager and graph replay (bench_p2p.py --stages fused,kernels: the table kept before the staged
@@ -65,18 +61,6 @@ for s in $STEPS; do
           --max-bytes 268435456 --factor 4 --stages fused --bits 4 --warmup 2 --iters 5 --graph-reps 5 --pingpong 0 \
           --tile-sweep-bytes 0 --copy-bytes 268435456 --check-max-bytes 0 > "$OUT/grid_$b.log" 2>&1
         echo "rc $? blocks $b"; grep -E "^\|" "$OUT/grid_$b.log" | grep -v "^|---" | head -12
-      done ;;
-    prefetch)
-      ( export TORCH_EXTENSIONS_DIR=/tmp/ext_prefetch ECHO_DS_NVCC_EXTRA=-DECHO_P2P_PREFETCH=1
-        build_ops "$OUT/build_prefetch.log" 200 ); tail -2 "$OUT/build_prefetch.log"
-      n=0
-      for v in ${PREFETCH_ROUNDS:-on off on}; do
-        n=$((n + 1))
-        if [ "$v" = on ]; then x="TORCH_EXTENSIONS_DIR=/tmp/ext_prefetch ECHO_DS_NVCC_EXTRA=-DECHO_P2P_PREFETCH=1"; else x=""; fi
-        env $x timeout 150 python3 benchmarks/bench_p2p.py --world-sizes 2,4 --min-bytes ${LARGE_MIN:-4194304} --max-bytes 268435456 \
-          --factor 4 --stages fused --bits 4 --warmup 2 --iters 5 --graph-reps 5 --pingpong 0 --tile-sweep-bytes 0 \
-          --copy-bytes 268435456 --check-max-bytes 16777216 > "$OUT/prefetch_${n}_$v.log" 2>&1
-        echo "== round $n: prefetch $v (rc $?)"; grep -E "^\|" "$OUT/prefetch_${n}_$v.log" | grep -v "^|---" | head -24
       done ;;
     kernels)
       timeout 250 $PYTEST -m gpu tests/test_kernels_gpu.py --timeout 240 > "$OUT/kernels.log" 2>&1

@@ -349,42 +349,6 @@ __device__ __forceinline__ void tail_group(const P2PAllReduceArgs& a, int64_t e,
   store_thread<T, kLanes>(static_cast<T*>(a.out), e, lane, numel, aligned16(a.out), v);
 }
 
-// The next item's data into the L2 while the block works on the current one, with -DECHO_P2P_PREFETCH=1 (an
-// experiment, off by default: no GPU has run it yet; benchmarks/gpu_one_transport.sh, step "prefetch", times
-// both builds side by side). Off, the kernel's PTX is byte-identical to the one before. A hint: one bulk prefetch per
-// range (cp.async.bulk.prefetch.L2, sm_90), which holds no register and is never waited for, so the bits and
-// the register budget are the kernel's without it. The range is shrunk to 16-byte bounds, as the instruction
-// requires: nothing outside [p, p + bytes) is touched.
-#ifndef ECHO_P2P_PREFETCH
-#define ECHO_P2P_PREFETCH 0
-#endif
-__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
-#if ECHO_P2P_PREFETCH && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t(15);
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~uintptr_t(15);
-  if (bytes > 0 && e > b) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(b), "r"(static_cast<uint32_t>(e - b)) : "memory");
-  }
-#endif
-}
-// Groups [gi, gi + n) of segment seg in a packet table: codes and parameter words.
-template <int kBits, int kLanes>
-__device__ __forceinline__ void prefetch_groups(const QuantTable& t, int seg, int64_t gi, int64_t n) {
-  prefetch_l2(t.codes[seg] + gi * kGroupCodeBytes<kBits, kLanes>, n * kGroupCodeBytes<kBits, kLanes>);
-  prefetch_l2(t.scales[seg] + gi, n * 2);
-  if (!t.packed) prefetch_l2(t.zeros[seg] + gi, n * 2);
-}
-// Elements [e, e + elems) of a contribution: x (its real elements) and the compensator's state.
-template <typename T>
-__device__ __forceinline__ void prefetch_contribution(const Contribution& s, int64_t e, int64_t elems, int64_t numel) {
-  if (e < numel) prefetch_l2(static_cast<const T*>(s.x) + e, (min(e + elems, numel) - e) * int64_t(sizeof(T)));
-  if (s.m1 != nullptr) {
-    const int64_t width = s.state == StateFormat::kBf16 ? 2 : 1;  // bytes of one element's word
-    prefetch_l2(static_cast<const uint8_t*>(s.m1) + e * width, elems * width);
-    if (s.m2 != nullptr) prefetch_l2(static_cast<const uint8_t*>(s.m2) + e * width, elems * width);
-  }
-}
-
 // 256 threads at up to 128 registers: 2 blocks resident per SM, which the grid cap counts on
 // (p2p_resident_blocks). At 3 (80 registers) ptxas spilled; the entry's prefetch needs the registers.
 // -DECHO_FUSED_MIN_BLOCKS=n builds others for comparison (benchmarks/RESULTS.md).
@@ -426,15 +390,6 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     e = int64_t(jj < me ? jj : jj + 1) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
     return true;
   };
-  // At an item's first unit, threads 0 .. kSent - 1 hint the next item's sent segments (x, state) to the L2.
-  const auto prefetch_entry = [&](int64_t q) {
-    if (q % kSent != 0 || threadIdx.x >= kSent) return;
-    const int64_t base = (int64_t(blockIdx.x) + (q / kSent + 1) * int64_t(gridDim.x)) * kPerItem;
-    if (base >= G) return;
-    const int j = static_cast<int>(threadIdx.x) < me ? static_cast<int>(threadIdx.x) : static_cast<int>(threadIdx.x) + 1;
-    prefetch_contribution<T>(a.src, int64_t(j) * seg_elems + (a.chunk_begin + base) * kGroupSize,
-                             min(int64_t(kPerItem), G - base) * kGroupSize, numel);
-  };
   const auto load_unit = [&](int64_t q, RawChunks<T>& r) {
     int64_t gi, e;
     if (unit(q, gi, e) && gi < G) load_contribution_x<T, kLanes>(a.src, e, lane, numel, r);
@@ -469,7 +424,6 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       const auto entry_step = [&](int64_t q, const RawChunks<T>& r, RawChunks<T>& next) {
         int64_t gi, e;
         if (!unit(q, gi, e)) return false;
-        prefetch_entry(q);
         load_unit(q + 1, next);
         if (gi < G) entry_work(gi, e, r, std::false_type{});  // whole groups skip together
         return true;
@@ -487,7 +441,6 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     int64_t gi, e;
 #pragma unroll 1
     for (int64_t q = 0; unit(q, gi, e); ++q) {
-      prefetch_entry(q);
       if (gi >= G) continue;
       RawChunks<T> r;
       load_contribution_x<T, kLanes>(a.src, e, lane, numel, r);
@@ -496,22 +449,9 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   }
   signal_peers<kWorld, false>(a, tag);
 
-  // B. owner reduce of this block's groups of the owned segment, the sum in rank order. Every item's copies are
-  // there once the block's push flags arrived: thread r < P hints the next item's copy of rank r (its own
-  // contribution for r = rank) to the L2.
+  // B. owner reduce of this block's groups of the owned segment, the sum in rank order.
   wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
-  const auto prefetch_reduce = [&](int64_t base) {
-    if (base >= G || threadIdx.x >= kWorld) return;
-    const int64_t n = min(int64_t(kPerItem), G - base);
-    if (static_cast<int>(threadIdx.x) == me) {
-      prefetch_contribution<T>(a.src, int64_t(me) * seg_elems + (a.chunk_begin + base) * kGroupSize, n * kGroupSize,
-                               numel);
-    } else {
-      prefetch_groups<kBits, kLanes>(a.reduce_in, threadIdx.x, base, n);
-    }
-  };
   for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
-    prefetch_reduce(base + int64_t(gridDim.x) * kPerItem);
     const int64_t gi = base + threadIdx.x / kLanes;
     if (gi >= G) continue;
     const int64_t own_e = int64_t(me) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
@@ -558,20 +498,9 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   }
   signal_peers<kWorld, true>(a, tag);
 
-  // C. tail: every segment's reduced codes -> y (and residual "output"'s update). Every item's codes are there
-  // once the block's gather flags arrived: thread s < P hints the next item's codes of segment s to the L2.
+  // C. tail: every segment's reduced codes -> y (and residual "output"'s update).
   wait_peers<kWorld>(a, mine->gather, tag, kP2PWaitTail);
-  const auto prefetch_tail = [&](int64_t base) {
-    if (base >= G || threadIdx.x >= kWorld) return;
-    const int64_t n = min(int64_t(kPerItem), G - base);
-    prefetch_groups<kBits, kLanes>(a.gathered, threadIdx.x, base, n);
-    if (a.update_output) {
-      prefetch_contribution<T>(a.src, int64_t(threadIdx.x) * seg_elems + (a.chunk_begin + base) * kGroupSize,
-                               n * kGroupSize, numel);
-    }
-  };
   for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
-    prefetch_tail(base + int64_t(gridDim.x) * kPerItem);
     const int64_t gi = base + threadIdx.x / kLanes;
     if (gi >= G) continue;
     const int64_t code_offset = gi * kGroupCodeBytes<kBits, kLanes>;

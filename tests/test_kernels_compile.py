@@ -120,15 +120,6 @@ def test_translation_units_compile_exact():
                    "-I", str(CSRC_DIR), "--keep", "--keep-dir", str(keep), "-Xptxas", "-warn-spills",
                    "-o", str(Path(tmp) / (name + ".o")), str(CSRC_DIR / name)]
             jobs.append((name, cmd, keep))
-        # The one-launch kernel's L2 prefetch experiment (csrc/p2p_all_reduce.cuh, ECHO_P2P_PREFETCH, off by
-        # default) at the unit with the least register room: it must stay exact and spill-free to be timed.
-        variant = "p2p_all_reduce_bf16_p4.cu"
-        keep = Path(tmp) / "prefetch_variant"
-        keep.mkdir()
-        jobs.append((f"{variant} with -DECHO_P2P_PREFETCH=1",
-                     [NVCC, "-c", "-O3", cxx_std(), "-arch=sm_90", *EXACT_FP_NVCC_FLAGS, *TORCH_NVCC_FLAGS,
-                      "-DECHO_P2P_PREFETCH=1", "-I", str(CSRC_DIR), "--keep", "--keep-dir", str(keep), "-Xptxas",
-                      "-warn-spills", "-o", str(Path(tmp) / "prefetch_variant.o"), str(CSRC_DIR / variant)], keep))
         binding = "echo_binding.cpp"
         jobs.append((binding, [NVCC, "-c", "-O1", cxx_std(), "-I", str(CSRC_DIR), *_torch_include_args(),
                                "-o", str(Path(tmp) / (binding + ".o")), str(CSRC_DIR / binding)], None))
@@ -151,10 +142,6 @@ def test_translation_units_compile_exact():
                     f"{name}: fp32 mul/add without an explicit rounding mode in {ptx.name} (may be contracted)"
                 assert ".ftz" not in text, f"{name}: flush-to-zero in {ptx.name}"
                 assert "div.approx" not in text and "div.full" not in text, f"{name}: approximate division"
-                if "ECHO_P2P_PREFETCH=1" in name:  # the experiment is in the build (the default has none)
-                    assert "cp.async.bulk.prefetch.L2" in text, f"{name}: no L2 prefetch in {ptx.name}"
-                elif name.startswith("p2p_all_reduce_"):
-                    assert "cp.async.bulk.prefetch" not in text, f"{name}: the L2 prefetch in the default build"
 
 
 def test_fma_check_admits_only_products_by_unit():
