@@ -97,6 +97,21 @@ def _compile(cmd, cwd):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def _undefined_echo_symbols(objects) -> list:
+    """The echo:: functions that some object uses and none defines: what loading the extension would report
+    as an undefined symbol (a launcher declared `extern template` in a header and instantiated by no unit)."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) not found: the cross-unit symbol check needs it")
+
+    def symbols(flag):
+        out = subprocess.run([nm, "-C", flag, *map(str, objects)], capture_output=True, text=True, check=True).stdout
+        names = (re.match(r"\s*(?:[0-9a-fA-F]+\s+)?[A-Za-z]\s+(.*)", line) for line in out.splitlines())
+        return {m[1] for m in names if m and "echo::" in m[1]}
+
+    return sorted(symbols("--undefined-only") - symbols("--defined-only"))
+
+
 def _torch_include_args():
     import torch
     from torch.utils.cpp_extension import include_paths
@@ -127,6 +142,8 @@ def test_translation_units_compile_exact():
             results = list(pool.map(lambda j: (j[0], j[2], *_compile(j[1], tmp)), jobs))
         failures = [f"{name}:\n{log}" for name, _, rc, log in results if rc != 0]
         assert not failures, "compilation failed:\n" + "\n".join(failures)
+        missing = _undefined_echo_symbols(sorted(Path(tmp).glob("*.o")))
+        assert not missing, "echo symbols that no unit defines (an instantiation missing):\n" + "\n".join(missing)
         for name, keep, _, log in results:
             spills = _spilled_functions(log)
             assert not spills, f"{name} spills registers in {len(spills)} kernels:\n" + "\n".join(spills)
