@@ -12,7 +12,8 @@
 #   kernels  the stage kernels against the reference (tests/test_kernels_gpu.py);
 #   large    the one launch beside the staged pipeline, 4 MiB to 256 MiB at P = 2 and 4 (64 MiB at P = 8),
 #            eager and graph replay (bench_p2p.py --stages fused,kernels: the table kept before the staged
-#            pipeline may go);
+#            pipeline may go), pow2_rescale "auto" (the forward sites' setting: a call without rescaling never
+#            takes the staged pipeline, and the reference path it takes instead cannot be captured in a graph);
 #   grid     the one launch at P = 2, 64 and 256 MiB, with each rank's grid at GRID_BLOCKS (default "33 66
 #            132": a quarter, the half the buffer takes, and the full even share of the resident blocks;
 #            ECHO_P2P_MAX_BLOCKS): what the co-residency cap of ranks sharing a GPU costs. At the full share
@@ -52,8 +53,8 @@ for s in $STEPS; do
       grep -E "passed|failed|Error" "$OUT/suite.log" | tail -5 ;;
     large)
       timeout 300 python3 benchmarks/bench_p2p.py --world-sizes 2,4,8 --max-bytes-at 8:67108864 --min-bytes ${LARGE_MIN:-4194304} \
-        --max-bytes 268435456 --factor 4 --stages fused,kernels --bits 4 --warmup 2 --iters 5 --graph-reps 5 \
-        --pingpong 0 --tile-sweep-bytes 0 --copy-bytes 268435456 --check-max-bytes 16777216 > "$OUT/large.log" 2>&1
+        --max-bytes 268435456 --factor 4 --stages fused,kernels --bits 4 --pow2 auto --warmup 2 --iters 5 \
+        --graph-reps 5 --pingpong 0 --tile-sweep-bytes 0 --copy-bytes 268435456 --check-max-bytes 16777216 > "$OUT/large.log" 2>&1
       grep -E "^\|" "$OUT/large.log" | grep -v "^|---" | head -60 ;;
     grid)
       for b in ${GRID_BLOCKS:-33 66 132}; do
