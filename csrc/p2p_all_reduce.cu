@@ -1,6 +1,5 @@
 // The one-launch p2p all-reduce, host side: checks, the dispatch over dtype and world size, and the control
-// block (the kernels and their protocol: p2p_all_reduce.cuh; their instantiations: p2p_all_reduce_*_p*_b*.cu,
-// p2p_one_shot_*_p*.cu, p2p_plain_all_reduce.cu).
+// block (the kernels and their protocol: p2p_all_reduce.cuh; their instantiations: p2p_all_reduce_*_p*.cu).
 #include "p2p_all_reduce.cuh"
 
 namespace echo {
@@ -44,8 +43,8 @@ void launch_p2p_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {
     }
     return;
   }
-  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld, ECHO_DISPATCH_BITS(a.bits, kBits,
-                      detail::launch_p2p_all_reduce_kernel<T, kWorld, kBits>(a, stream))));
+  ECHO_DISPATCH_DTYPE(a.src.x_dtype, T, ECHO_DISPATCH_WORLD_SIZE(a.layout.world_size, kWorld,
+                      detail::launch_p2p_all_reduce_kernel<T, kWorld>(a, stream)));
 }
 
 void launch_p2p_plain_all_reduce(const P2PAllReduceArgs& a, cudaStream_t stream) {

@@ -1,7 +1,6 @@
-// The one-launch kernels (internal to csrc/): eighteen translation units instantiate the two-shot kernel, one
-// per dtype, world size and bit width (p2p_all_reduce_<f32|f16|bf16>_p<2|4|8>_b<4|8>.cu, three group sizes
-// each), four the one-shot kernel (p2p_one_shot_<f16|bf16>_p<2|4>.cu) and one the unquantized kernel
-// (p2p_plain_all_reduce.cu), so that they build in parallel; p2p_all_reduce.cu holds the host entry points.
+// The one-launch kernel (internal to csrc/): nine translation units instantiate it, one per dtype and world
+// size (p2p_all_reduce_<f32|f16|bf16>_p<2|4|8>.cu, six instantiations each), so that they build in parallel;
+// p2p_all_reduce.cu holds the host entry points.
 //
 // The whole Echo all-reduce of one call in one launch, over peer memory (CUDA IPC): the two-shot shape of
 // echo_api.cuh's three stages with the flags between them inside the kernel.
@@ -823,14 +822,13 @@ void launch_p2p_plain_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t 
   ECHO_CHECK(cudaGetLastError());
 }
 
-// Launches the instantiation of (T, kWorld, kBits) for the group size of a (the host checks are the caller's;
-// p2p_all_reduce.cu dispatches over the bit width).
-template <typename T, int kWorld, int kBits>
+// Launches the instantiation of (T, kWorld) for the configuration of a (the host checks are the caller's).
+template <typename T, int kWorld>
 void launch_p2p_all_reduce_kernel(const P2PAllReduceArgs& a, cudaStream_t stream) {
-  ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
+  ECHO_DISPATCH_BITS(a.bits, kBits, ECHO_DISPATCH_GROUP_SIZE(a.layout.group_size, kGroup, {
     p2p_all_reduce_kernel<T, kWorld, kBits, kGroup><<<a.num_blocks, kThreadsPerBlock, 0, stream>>>(a);
     ECHO_CHECK(cudaGetLastError());
-  });
+  }));
 }
 
 // Launches the one-shot instantiation of (T, kWorld) for the configuration of a (16-bit x only).
@@ -842,26 +840,22 @@ void launch_p2p_one_shot_kernel(const P2PAllReduceArgs& a, cudaStream_t stream) 
   }));
 }
 
-// One translation unit per (dtype, world size, bit width) instantiates the two-shot kernel of its three group
-// sizes (p2p_all_reduce_<dtype>_p<P>_b<bits>.cu), so that the eighteen build in parallel, and one unit
-// (p2p_plain_all_reduce.cu) the unquantized kernels: `extern` here, `template` there.
-#define ECHO_P2P_KERNELS(kind, T, P, B) \
-  kind template void launch_p2p_all_reduce_kernel<T, P, B>(const P2PAllReduceArgs&, cudaStream_t);
-#define ECHO_P2P_PLAIN_KERNELS(kind, T, P) \
+// One translation unit per (dtype, world size) instantiates both kernels (p2p_all_reduce_<dtype>_p<P>.cu),
+// so that the nine build in parallel: `extern` here, `template` there.
+#define ECHO_P2P_KERNELS(kind, T, P)                                                        \
+  kind template void launch_p2p_all_reduce_kernel<T, P>(const P2PAllReduceArgs&, cudaStream_t); \
   kind template void launch_p2p_plain_all_reduce_kernel<T, P>(const P2PAllReduceArgs&, cudaStream_t);
-#define ECHO_P2P_EXTERN_KERNELS(T, P)                                          \
-  ECHO_P2P_KERNELS(extern, T, P, 4) ECHO_P2P_KERNELS(extern, T, P, 8)          \
-  ECHO_P2P_PLAIN_KERNELS(extern, T, P)
+#define ECHO_P2P_EXTERN_KERNELS(T) \
+  ECHO_P2P_KERNELS(extern, T, 2) ECHO_P2P_KERNELS(extern, T, 4) ECHO_P2P_KERNELS(extern, T, 8)
 // The one-shot kernels, for 16-bit x at P = 2 and 4 only (at P = 8 ptxas spilled at 128 registers; those calls
 // take the two-shot kernel), in units of their own (p2p_one_shot_<f16|bf16>_p<P>.cu).
 #define ECHO_P2P_ONE_SHOT_KERNELS(kind, T, P) \
   kind template void launch_p2p_one_shot_kernel<T, P>(const P2PAllReduceArgs&, cudaStream_t);
 #define ECHO_P2P_EXTERN_ONE_SHOT_KERNELS(T) ECHO_P2P_ONE_SHOT_KERNELS(extern, T, 2) ECHO_P2P_ONE_SHOT_KERNELS(extern, T, 4)
 #ifndef ECHO_P2P_INSTANTIATING
-ECHO_P2P_EXTERN_KERNELS(float, 2) ECHO_P2P_EXTERN_KERNELS(float, 4) ECHO_P2P_EXTERN_KERNELS(float, 8)
-ECHO_P2P_EXTERN_KERNELS(__half, 2) ECHO_P2P_EXTERN_KERNELS(__half, 4) ECHO_P2P_EXTERN_KERNELS(__half, 8)
-ECHO_P2P_EXTERN_KERNELS(__nv_bfloat16, 2) ECHO_P2P_EXTERN_KERNELS(__nv_bfloat16, 4)
-ECHO_P2P_EXTERN_KERNELS(__nv_bfloat16, 8)
+ECHO_P2P_EXTERN_KERNELS(float)
+ECHO_P2P_EXTERN_KERNELS(__half)
+ECHO_P2P_EXTERN_KERNELS(__nv_bfloat16)
 ECHO_P2P_EXTERN_ONE_SHOT_KERNELS(__half)
 ECHO_P2P_EXTERN_ONE_SHOT_KERNELS(__nv_bfloat16)
 #endif

@@ -91,24 +91,15 @@ def test_world_sizes_are_the_staged_dispatch():
 
 
 def test_world_sizes_are_the_one_launch_instantiations():
-    header = source("p2p_all_reduce.cuh")
-    extern = macro(header, "ECHO_P2P_EXTERN_KERNELS")
-    assert re.findall(r"ECHO_P2P_KERNELS\(extern, T, P, (\d+)\)", extern) == [str(b) for b in Q.SUPPORTED_BITS], \
-        "the two-shot kernels' extern declarations, one per bit width (p2p_all_reduce.cuh)"
-    declared = header[header.index("#ifndef ECHO_P2P_INSTANTIATING"):]
-    for dtype in ("float", "__half", "__nv_bfloat16"):
-        sizes = [int(p) for p in re.findall(rf"ECHO_P2P_EXTERN_KERNELS\({dtype}, (\d+)\)", declared)]
-        assert tuple(sizes) == K.KERNEL_WORLD_SIZES, f"the one-launch kernels' extern declarations for {dtype}"
+    extern = macro(source("p2p_all_reduce.cuh"), "ECHO_P2P_EXTERN_KERNELS")
+    sizes = [int(p) for p in re.findall(r"ECHO_P2P_KERNELS\(extern, T, (\d+)\)", extern)]
+    assert tuple(sizes) == K.KERNEL_WORLD_SIZES, "the one-launch kernels' extern declarations (p2p_all_reduce.cuh)"
     units = {s for s in SOURCES if s.startswith("p2p_all_reduce_")}
-    assert units == {f"p2p_all_reduce_{d}_p{p}_b{b}.cu" for d in ("f32", "f16", "bf16") for p in K.KERNEL_WORLD_SIZES
-                     for b in Q.SUPPORTED_BITS}, "the two-shot kernels' translation units (echo_ds/ops/builder.py SOURCES)"
+    assert units == {f"p2p_all_reduce_{d}_p{p}.cu" for d in ("f32", "f16", "bf16") for p in K.KERNEL_WORLD_SIZES}, \
+        "the one-launch kernels' translation units (echo_ds/ops/builder.py SOURCES)"
     for unit in units:
-        world, bits = (int(v) for v in re.search(r"_p(\d+)_b(\d+)\.cu$", unit).groups())
-        assert re.search(rf"ECHO_P2P_KERNELS\(, \w+, {world}, {bits}\)", source(unit)), f"{unit} instantiates P = {world}"
-    plain = source("p2p_plain_all_reduce.cu")
-    for dtype in ("float", "__half", "__nv_bfloat16"):
-        sizes = [int(p) for p in re.findall(rf"ECHO_P2P_PLAIN_KERNELS\(, {dtype}, (\d+)\)", plain)]
-        assert tuple(sizes) == K.KERNEL_WORLD_SIZES, f"the unquantized kernels' instantiations for {dtype}"
+        world = int(re.search(r"_p(\d+)\.cu$", unit).group(1))
+        assert re.search(rf"ECHO_P2P_KERNELS\(, \w+, {world}\)", source(unit)), f"{unit} instantiates P = {world}"
     runtime = re.findall(r"world_size == (\d+)", source("echo_binding.cpp"))
     assert tuple(int(p) for p in runtime) == K.KERNEL_WORLD_SIZES, "P2PRuntime's check (csrc/echo_binding.cpp)"
     check = re.search(r"ECHO_HOST_ASSERT\(([^;]*)\"the one-launch transport is built for", source("p2p_all_reduce.cu"))

@@ -56,24 +56,20 @@ def kernel_sources_dir() -> Path:
 
 CSRC_DIR = kernel_sources_dir()
 
-# One translation unit per stage, the p2p transport's (its one-launch kernels: the two-shot kernel per dtype,
-# world size and bit width, the one-shot kernel per dtype and world size, the unquantized kernels in one), plus
-# the torch binding. The slowest units come first, as ninja starts them in this order and the cold build lasts
-# as long as its last unit (benchmarks/RESULTS.md, "Cold JIT build").
+# One translation unit per stage, the p2p transport's (its one-launch kernels: one per dtype and world size),
+# plus the torch binding.
 SOURCES = (
-    *(f"p2p_all_reduce_{dtype}_p{world}_b{bits}.cu"
-      for world in (4, 8, 2) for dtype in ("f16", "bf16", "f32") for bits in (4, 8)),
-    "echo_binding.cpp",
-    *(f"p2p_one_shot_{dtype}_p{world}.cu" for dtype in ("f16", "bf16") for world in (4, 2)),
-    "dequantize.cu",
-    "owner_reduce_uncompensated.cu",
-    *(f"owner_reduce_{dtype}.cu" for dtype in ("f32", "f16", "bf16")),
     "push_quantize.cu",
-    "p2p_plain_all_reduce.cu",
+    "owner_reduce.cu",
+    *(f"owner_reduce_{dtype}.cu" for dtype in ("f32", "f16", "bf16")),
+    "owner_reduce_uncompensated.cu",
+    "dequantize.cu",
     "pow2_amax.cu",
     "p2p_all_reduce.cu",
-    "owner_reduce.cu",
+    *(f"p2p_all_reduce_{dtype}_p{world}.cu" for dtype in ("f32", "f16", "bf16") for world in (2, 4, 8)),
+    *(f"p2p_one_shot_{dtype}_p{world}.cu" for dtype in ("f16", "bf16") for world in (2, 4)),
     "p2p_transport.cu",
+    "echo_binding.cpp",
 )
 HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_device.cuh", "echo_quantizer.cuh", "echo_rotation.cuh",
            "echo_compensator.cuh", "echo_contribution.cuh", "echo_rescale.cuh", "owner_reduce.cuh",

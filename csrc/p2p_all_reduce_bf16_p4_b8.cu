@@ -1,7 +1,0 @@
-// The two-shot one-launch kernels for __nv_bfloat16 x at P = 4, 8-bit codes (p2p_all_reduce.cuh).
-#define ECHO_P2P_INSTANTIATING
-#include "p2p_all_reduce.cuh"
-
-namespace echo::detail {
-ECHO_P2P_KERNELS(, __nv_bfloat16, 4, 8)
-}  // namespace echo::detail

@@ -1,7 +1,0 @@
-// The two-shot one-launch kernels for __half x at P = 8, 8-bit codes (p2p_all_reduce.cuh).
-#define ECHO_P2P_INSTANTIATING
-#include "p2p_all_reduce.cuh"
-
-namespace echo::detail {
-ECHO_P2P_KERNELS(, __half, 8, 8)
-}  // namespace echo::detail
