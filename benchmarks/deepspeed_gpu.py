@@ -321,7 +321,9 @@ class Rank:
         return rows[:, :-1], rows[:, 1:]
 
     def generate(self, forward) -> str:
-        """Greedy: each next character the argmax of the last position, over the last seq_len characters."""
+        """Greedy: each next character the argmax of the last position, over the last seq_len characters (among
+        the text's characters: the model's vocabulary may be padded beyond them, and a barely trained model,
+        Echo's quantized logits above all, can put its largest logit on a padding id)."""
         import torch
 
         index = {c: i for i, c in enumerate(self.data.chars)}
@@ -332,7 +334,7 @@ class Rank:
         with torch.no_grad():
             for _ in range(self.opts["gen_chars"]):
                 x = torch.tensor([ids[-self.args.seq_len:]], device=self.device)
-                ids.append(int(forward(x)[0, -1].argmax()))
+                ids.append(int(forward(x)[0, -1, :len(self.data.chars)].argmax()))
                 out.append(self.data.chars[ids[-1]])
         return "".join(out)
 
