@@ -386,7 +386,7 @@ class EchoRuntime:
         # A buffer that a fault moved to the reference path (echo.on_fault "reference") is no longer active:
         # its calls are the reference's, made here so that a mismatch gets the sites' names.
         if self.buffer is not None and self.buffer.active:
-            if self._p2p_staged(x):  # no descriptor in the staged pipeline's flags: the site's code instead
+            if self._p2p_ungated():  # no descriptor in the staged pipeline's flags: the site's code instead
                 x = self._gated(x, site, kind, bits)
             # Asynchronous on the current stream: every read of x is ordered before later work on it.
             return self.buffer.all_reduce(x, self._spec(bits), compensator=compensator, pow2_rescale=pow2,
@@ -428,7 +428,7 @@ class EchoRuntime:
             return self.buffer.plain_all_reduce(x, site=site.site_id, direction=kind)
         return plain_all_reduce(self._gated(x, site, kind, 16), site.group)
 
-    def _p2p_staged(self, x: torch.Tensor) -> bool:
+    def _p2p_ungated(self) -> bool:
         """Whether the p2p buffer may run this call with no call descriptor in its flags: only where it has
         no one-launch runtime (the one launch carries the descriptor in its flags, and EchoBuffer puts a
         launch of the same family carrying it in front of every staged call, EchoBuffer._gate_staged)."""
