@@ -132,9 +132,10 @@ def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_si
 
 
 # Largest message of the one-launch call under stages="auto" where ranks share a GPU (the test rig); larger
-# ones take the staged pipeline. On a shared GPU co-residency caps each rank's grid at a fraction of the
-# SMs, and from 64 MiB up the staged kernels, on the whole GPU, are faster under graph replay despite their
-# host time (benchmarks/RESULTS.md, "One launch per call" and "Floor and projection").
+# ones take the staged pipeline. From 64 MiB up the staged kernels, on the whole GPU, are faster under graph
+# replay despite their host time (benchmarks/RESULTS.md, "One launch per call" and "Floor and projection").
+# Co-residency caps each rank's one-launch grid there; at its full share the one launch is still slower
+# (RESULTS.md, "One transport", 16:37 UTC).
 kSharedGpuOneLaunchMaxBytes = 16 << 20
 
 
