@@ -161,6 +161,21 @@ def test_translation_units_compile_exact():
                 assert "div.approx" not in text and "div.full" not in text, f"{name}: approximate division"
 
 
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("nm") is None, reason="needs g++ and nm")
+def test_symbol_check_finds_what_no_object_defines():
+    """The cross-unit symbol check itself, on two host objects: one uses echo::a() and echo::b(), the other
+    defines echo::a() only."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = {"user.cpp": "namespace echo { void a(); void b(); void user() { a(); b(); } }\n",
+                   "maker.cpp": "namespace echo { void a() {} }\n"}
+        for name, text in sources.items():
+            (Path(tmp) / name).write_text(text)
+            subprocess.run(["g++", "-c", "-o", str(Path(tmp) / (name + ".o")), str(Path(tmp) / name)], check=True)
+        objects = sorted(Path(tmp).glob("*.o"))
+        assert _undefined_echo_symbols(objects) == ["echo::b()"]
+        assert _undefined_echo_symbols([Path(tmp) / "maker.cpp.o"]) == []
+
+
 def test_fma_check_admits_only_products_by_unit():
     """The fused multiply-add check itself, on hand-written PTX."""
     head = ".visible .entry k(\n)\n{\n"
