@@ -10,6 +10,10 @@
 #   suite    the quick p2p suite at P = 2 (SUITE_K, a pytest -k expression: "test_gpu_suite" for P = 2, 4
 #            and 8; tests/test_p2p_gpu.py);
 #   kernels  the stage kernels against the reference (tests/test_kernels_gpu.py);
+#   phases   where the one launch's time goes: the shipped build beside three builds that skip one phase's work
+#            each (ECHO_P2P_TIMING_SKIP=1 the entry, 2 the owner reduce, 4 the tail; their flags and waits kept,
+#            their results wrong), built side by side in directories of their own, then one bench_p2p run each
+#            at PHASES_P (default "2,4"), 64 and 256 MiB, eager and graph replay, uncompensated and compensated;
 #   large    the one launch beside the staged pipeline, 4 MiB to 256 MiB at P = 2 and 4 (64 MiB at P = 8),
 #            eager and graph replay (bench_p2p.py --stages fused,kernels: the table kept before the staged
 #            pipeline may go), pow2_rescale "auto" (the forward sites' setting: a call without rescaling never
@@ -62,6 +66,19 @@ for s in $STEPS; do
           --max-bytes 268435456 --factor 4 --stages fused --bits 4 --warmup 2 --iters 5 --graph-reps 5 --pingpong 0 \
           --tile-sweep-bytes 0 --copy-bytes 268435456 --check-max-bytes 0 > "$OUT/grid_$b.log" 2>&1
         echo "rc $? blocks $b"; grep -E "^\|" "$OUT/grid_$b.log" | grep -v "^|---" | head -12
+      done ;;
+    phases)
+      for m in 1 2 4; do
+        ( export TORCH_EXTENSIONS_DIR=/tmp/ext_skip$m ECHO_DS_NVCC_EXTRA=-DECHO_P2P_TIMING_SKIP=$m
+          build_ops "$OUT/build_skip$m.log" 300 ) &
+      done
+      wait; tail -qn 2 "$OUT"/build_skip*.log
+      for m in 0 1 2 4; do
+        x=""; [ "$m" != 0 ] && x="TORCH_EXTENSIONS_DIR=/tmp/ext_skip$m ECHO_DS_NVCC_EXTRA=-DECHO_P2P_TIMING_SKIP=$m"
+        env $x timeout 150 python3 benchmarks/bench_p2p.py --world-sizes ${PHASES_P:-2,4} --min-bytes 67108864 \
+          --max-bytes 268435456 --factor 4 --stages fused --bits 4 --warmup 2 --iters 5 --graph-reps 5 --pingpong 0 \
+          --tile-sweep-bytes 0 --copy-bytes 268435456 --check-max-bytes 0 > "$OUT/phases_skip$m.log" 2>&1
+        echo "== skip mask $m (rc $?)"; grep -E "^\| [0-9]+ MiB \| one launch" "$OUT/phases_skip$m.log"
       done ;;
     kernels)
       timeout 250 $PYTEST -m gpu tests/test_kernels_gpu.py --timeout 240 > "$OUT/kernels.log" 2>&1

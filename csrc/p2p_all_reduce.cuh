@@ -357,6 +357,15 @@ __device__ __forceinline__ void tail_group(const P2PAllReduceArgs& a, int64_t e,
 #endif
 constexpr int kFusedMinBlocks = ECHO_FUSED_MIN_BLOCKS;
 
+// -DECHO_P2P_TIMING_SKIP=m, for timing only (its results are wrong): the two-shot kernel skips the work of the
+// phases in the mask m (1 the entry, 2 the owner reduce, 4 the tail) and keeps their flags and waits, so that a
+// phase's share of a call's time is its difference from the shipped build (benchmarks/gpu_one_transport.sh,
+// step "phases"). 0, the default, builds the kernel as if the switch did not exist.
+#ifndef ECHO_P2P_TIMING_SKIP
+#define ECHO_P2P_TIMING_SKIP 0
+#endif
+constexpr int kTimingSkip = ECHO_P2P_TIMING_SKIP;
+
 template <typename T, int kWorld, int kBits, int kGroupSize>
 __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const P2PAllReduceArgs a) {
   constexpr int kLanes = kGroupSize / kElemsPerThread;
@@ -384,7 +393,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   constexpr int kSent = kWorld - 1;
   const auto unit = [&](int64_t q, int64_t& gi, int64_t& e) {  // false past the block's last unit
     const int64_t base = (int64_t(blockIdx.x) + (q / kSent) * int64_t(gridDim.x)) * kPerItem;
-    if (base >= G) return false;  // uniform over the block
+    if ((kTimingSkip & 1) || base >= G) return false;  // uniform over the block
     const int jj = static_cast<int>(q % kSent);
     gi = base + threadIdx.x / kLanes;
     e = int64_t(jj < me ? jj : jj + 1) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
@@ -451,7 +460,8 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
 
   // B. owner reduce of this block's groups of the owned segment, the sum in rank order.
   wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
-  for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
+  for (int64_t base = int64_t(blockIdx.x) * kPerItem; !(kTimingSkip & 2) && base < G;
+       base += int64_t(gridDim.x) * kPerItem) {
     const int64_t gi = base + threadIdx.x / kLanes;
     if (gi >= G) continue;
     const int64_t own_e = int64_t(me) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
@@ -500,7 +510,8 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
 
   // C. tail: every segment's reduced codes -> y (and residual "output"'s update).
   wait_peers<kWorld>(a, mine->gather, tag, kP2PWaitTail);
-  for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
+  for (int64_t base = int64_t(blockIdx.x) * kPerItem; !(kTimingSkip & 4) && base < G;
+       base += int64_t(gridDim.x) * kPerItem) {
     const int64_t gi = base + threadIdx.x / kLanes;
     if (gi >= G) continue;
     const int64_t code_offset = gi * kGroupCodeBytes<kBits, kLanes>;
