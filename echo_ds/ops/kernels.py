@@ -197,7 +197,14 @@ def _table_args(table: SegmentTable, world_size: int, device):
     return codes, scales, zeros
 
 
-def _stream(device) -> int:
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def raw_stream(device: torch.device) -> int:
+    """The current stream's handle on ``device`` (torch's raw accessor where the build has it: no Stream
+    object), as every launcher of this module and the one-launch call (echo_ds.p2p.call) pass it."""
+    if _current_raw_stream is not None:
+        return _current_raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -282,7 +289,7 @@ def push_quantize(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpe
     with torch.cuda.device(x.device):
         ops.push_quantize(x, m1, m2, e, *_table_args(out, world_size, x.device), bool(update_state), pow2_amax,
                           rank, world_size, spec.group_size, spec.bits, QUANTIZER_CODES[spec.quantizer], hs, hn,
-                          k, group_begin, -1 if num_groups is None else num_groups, _stream(x.device))
+                          k, group_begin, -1 if num_groups is None else num_groups, raw_stream(x.device))
 
 
 def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec, copies: SegmentTable,
@@ -305,7 +312,7 @@ def owner_reduce(x: torch.Tensor, *, rank: int, world_size: int, spec: QuantSpec
         ops.owner_reduce(x, m1, m2, e, *_table_args(copies, world_size, x.device),
                          *_table_args(out, world_size, x.device), bool(update_state), pow2_amax, rank, world_size,
                          spec.group_size, spec.bits, QUANTIZER_CODES[spec.quantizer], hs, hn, k, group_begin,
-                         -1 if num_groups is None else num_groups, _stream(x.device))
+                         -1 if num_groups is None else num_groups, raw_stream(x.device))
 
 
 def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered: SegmentTable,
@@ -331,7 +338,7 @@ def dequantize(out: torch.Tensor, *, world_size: int, spec: QuantSpec, gathered:
     with torch.cuda.device(out.device):
         ops.dequantize(out, *_table_args(gathered, world_size, out.device), pow2_amax, world_size, spec.group_size,
                        spec.bits, QUANTIZER_CODES[spec.quantizer], hs, hn, segment_begin, -1 if num_segments is None else num_segments, group_begin,
-                       -1 if num_groups is None else num_groups, x, m1, m2, e, k, _stream(out.device))
+                       -1 if num_groups is None else num_groups, x, m1, m2, e, k, raw_stream(out.device))
 
 
 def pow2_amax(x: torch.Tensor, amax_out: torch.Tensor, *, world_size: int, spec: QuantSpec,
@@ -345,4 +352,4 @@ def pow2_amax(x: torch.Tensor, amax_out: torch.Tensor, *, world_size: int, spec:
     hs, hn = _hadamard_args(spec)
     m1, m2, e, k = _state_args(m1, m2, exponent, coeffs)
     with torch.cuda.device(x.device):
-        ops.pow2_amax(x, amax_out, m1, m2, e, world_size, spec.group_size, hs, hn, k, _stream(x.device))
+        ops.pow2_amax(x, amax_out, m1, m2, e, world_size, spec.group_size, hs, hn, k, raw_stream(x.device))

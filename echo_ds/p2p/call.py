@@ -18,20 +18,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from echo_ds import algorithm as A
-from echo_ds.ops.kernels import kernel_state
+from echo_ds.ops.kernels import kernel_state, raw_stream
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import protocol as proto
 from echo_ds.quant import QuantSpec
-
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def raw_stream(device: torch.device) -> int:
-    """The current stream's handle (torch's raw accessor where the build has it: no Stream object)."""
-    if _current_raw_stream is not None:
-        return _current_raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
-
 
 def state_dtype(compensator) -> str:
     """The compensator's stored state format ("bf16" without a compensator)."""
