@@ -674,7 +674,7 @@ class EchoBuffer:
         # The one-launch fast path tests one_launch first; the runtime itself stays alive for close().
         self.one_launch = None  # close() frees it (_owned)
         if self._owned is not None:
-            self._owned.plans.clear()
+            self._owned.clear()  # its plans, here and in the runtime
         self.active = False
         self.reason = f"a failed wait moved the group to the reference path (on_fault='reference'): {error}: {failure}"
         logger.warning("echo p2p: rank %d of %d: %s; the calls that raised or were not checked yet returned "
