@@ -158,11 +158,12 @@ def _cases(rank, world_size, shm_port):
     res["backend_calls_after"] = recorder.num_calls
 
     # --- the DeepSpeed mode's row-parallel layer: forward compiled, backward as eager --------------------
-    from test_deepspeed_layers import _build, _cfg, _ds_env, _inputs
+    from test_deepspeed_layers import _build, _cfg, _inputs
+    from utils import deepspeed_env
 
     import echo_ds.deepspeed as echo
 
-    _ds_env(rank, world_size, shm_port)
+    deepspeed_env(rank, world_size, shm_port)
     net = _build()
     rt = echo.enable(net, _cfg())
     row = net.blocks[0].o

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_deepspeed_layers import _ds_env
-from utils import free_port, run_distributed
+from utils import deepspeed_env, free_port, run_distributed
 
 pytest.importorskip("transformers")
 
@@ -46,7 +45,7 @@ def _training(rank, world_size, shm_port, csv_dir):
 
     import echo_ds.deepspeed as echo
 
-    _ds_env(rank, world_size, shm_port)
+    deepspeed_env(rank, world_size, shm_port)
     res = {}
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
 
@@ -145,7 +144,7 @@ def _inference(rank, world_size, shm_port):
 
     import echo_ds.deepspeed as echo
 
-    _ds_env(rank, world_size, shm_port)
+    deepspeed_env(rank, world_size, shm_port)
     from deepspeed.module_inject.layers import set_autotp_mode
 
     set_autotp_mode(training=False)

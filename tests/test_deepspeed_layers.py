@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from utils import free_port, run_distributed, same_states, state_moved, state_tensors
+from utils import (deepspeed_env, deepspeed_shm_segments, free_port, run_distributed, same_states, state_moved,
+                   state_tensors)
 
 HIDDEN = 64
 BATCH, SEQ = 2, 16
@@ -21,17 +22,6 @@ BATCH, SEQ = 2, 16
 # ----------------------------------------------------------------------------------------------------
 # Models built from DeepSpeed's TP layers (module level so that the spawned ranks can import them)
 # ----------------------------------------------------------------------------------------------------
-
-def _ds_env(rank: int, world_size: int, shm_port: int) -> None:
-    """Environment DeepSpeed's comm layer expects, on top of the harness's gloo group."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(shm_port))
-    import deepspeed
-    from deepspeed.module_inject.layers import set_autotp_mode
-
-    deepspeed.init_distributed("gloo")
-    set_autotp_mode(training=True)
-
 
 def _make_block_class():
     import torch
@@ -201,8 +191,7 @@ def _scenarios(rank, world_size, shm_port):
     from echo_ds.quant import wire_bytes
     from echo_ds.reference import echo_all_reduce
 
-    _ds_env(rank, world_size, shm_port)
-    res = {}
+    res = {"shm_released": deepspeed_env(rank, world_size, shm_port)}
     import deepspeed.comm as ds_comm
 
     untouched = (ds_comm.all_reduce, ds_comm.inference_all_reduce, dist.all_reduce, ds_layers.RowParallel.forward,
@@ -556,7 +545,11 @@ def _block_bound_case(rank):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_scenarios, 2, free_port(), timeout=300)
+    port = free_port()
+    res = run_distributed(_scenarios, 2, port, timeout=300)
+    for r in res:
+        r["shm_left"] = deepspeed_shm_segments(port)
+    return res
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -567,6 +560,13 @@ def test_ranks_agree(results):
     r0, r1 = results
     for key in ("visit_order", "counters_after_two_passes", "replay_equal", "early_sites_bytes"):
         assert r0[key] == r1[key], key
+
+
+def test_deepspeed_shm_workspaces_released(results):
+    """DeepSpeed's CPU all-reduce workspace existed on each rank and no name of it outlives the run
+    (tests/utils.deepspeed_env: DeepSpeed never unlinks them, and a suite's worth filled /dev/shm)."""
+    assert [r["shm_released"] for r in results] == [True, True]
+    assert results[0]["shm_left"] == []
 
 
 def test_site_table_and_patched_classes(results):
@@ -743,7 +743,7 @@ def _outputs_and_falcon(rank, world_size, shm_port):
     from echo_ds.deepspeed.mappings import overlapped_column_parallel_linear, reduce_from_tensor_parallel_region
     from test_deepspeed_engine import _ds_config
 
-    _ds_env(rank, world_size, shm_port)
+    deepspeed_env(rank, world_size, shm_port)
     res = {}
 
     # The wrappers at P = 2: each output owns its memory, takes an in-place update and back-propagates.

@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from echo_ds.quant import wire_bytes
-from utils import free_port
+from utils import deepspeed_shm_segments, free_port
 
 pytest.importorskip("transformers")
 
@@ -39,12 +39,15 @@ def _launcher():
 
 
 def _train(config_path: str) -> dict:
-    cmd = _launcher() + ["--num_gpus", "2", "--master_port", str(free_port()), os.path.join("examples", "train.py"),
+    port = free_port()
+    cmd = _launcher() + ["--num_gpus", "2", "--master_port", str(port), os.path.join("examples", "train.py"),
                          "--deepspeed_config", config_path] + MODEL_ARGS
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}"
+    # The run's shutdown() released DeepSpeed's CPU all-reduce workspaces (DeepSpeed leaves them in /dev/shm).
+    assert deepspeed_shm_segments(port) == []
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"final_loss"')]
     assert len(lines) == 1, f"expected one JSON line from rank 0:\n{tail}"
     return json.loads(lines[0])

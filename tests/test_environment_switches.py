@@ -14,7 +14,7 @@ import pytest
 
 from echo_ds.deepspeed import policy
 
-from utils import RecordingLog, free_port, run_distributed
+from utils import RecordingLog, deepspeed_env, free_port, run_distributed
 
 
 
@@ -119,17 +119,13 @@ def _layers_case(rank, world_size, shm_port):
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(shm_port))
-    import deepspeed
-    from deepspeed.module_inject.layers import LinearAllreduce, set_autotp_mode
+    from deepspeed.module_inject.layers import LinearAllreduce
 
     import echo_ds.deepspeed as echo
     from echo_ds import log as echo_log_mod
     from echo_ds.config import EchoConfig
 
-    deepspeed.init_distributed("gloo")
-    set_autotp_mode(training=True)
+    deepspeed_env(rank, world_size, shm_port)
     echo_log_mod.logger = RecordingLog()
     records = echo_log_mod.logger.records
 

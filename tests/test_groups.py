@@ -28,7 +28,7 @@ from echo_ds.compensator import make_compensator
 from echo_ds.config import DirectionConfig, EchoConfig
 from echo_ds.emulate import CompensatedAllReduce, emulated_echo_all_reduce
 from echo_ds.quant import QuantSpec
-from utils import free_port, run_distributed
+from utils import deepspeed_env, free_port, run_distributed
 
 TP_GROUPS = ((0, 1), (2, 3))
 DP_GROUPS = ((0, 2), (1, 3))
@@ -148,16 +148,6 @@ def test_reference_groups_side_by_side_bit_identical_and_the_wrong_group_refused
 # The DeepSpeed mode
 # ------------------------------------------------------------------------------------------------------
 
-def _ds_env(rank: int, world_size: int, shm_port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(shm_port))
-    import deepspeed
-    from deepspeed.module_inject.layers import set_autotp_mode
-
-    deepspeed.init_distributed("gloo")
-    set_autotp_mode(training=True)
-
-
 def _mlp(group):
     """Two residual MLP blocks of DeepSpeed's AutoTP layers on ``group``: x + down(silu(gate(x)) * up(x))."""
     import torch.nn.functional as F
@@ -187,7 +177,7 @@ def _deepspeed_case(rank, world_size, shm_port):
     import echo_ds.deepspeed as echo
     from echo_ds.reference import echo_all_reduce
 
-    _ds_env(rank, world_size, shm_port)
+    deepspeed_env(rank, world_size, shm_port)
     tp, ti, dp, di = _groups(rank)
     net = _mlp(tp)
     rt = echo.enable(net, EchoConfig(bits=4, backend="reference"))

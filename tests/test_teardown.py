@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from utils import free_port
+from utils import deepspeed_shm_segments, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +30,7 @@ from deepspeed.module_inject.layers import LinearAllreduce, set_autotp_mode
 
 import echo_ds.deepspeed as echo
 from echo_ds.config import EchoConfig
-from echo_ds.deepspeed.teardown import comm_threads, shutdown
+from echo_ds.deepspeed.teardown import comm_threads, deepspeed_shm_workspace, shutdown
 
 torch.set_num_threads(1)
 deepspeed.init_distributed("gloo")
@@ -43,7 +43,7 @@ echo.enable(net, EchoConfig(bits=4, backend="reference"))
 with torch.no_grad():
     y = net(torch.randn(4, 16))
 del net, tp
-result = {"before": comm_threads()}
+result = {"before": comm_threads(), "shm_before": os.path.exists(deepspeed_shm_workspace(dist.get_rank()))}
 dist.barrier()
 dist.destroy_process_group()
 gc.collect()
@@ -80,3 +80,5 @@ def test_shutdown_ends_every_group_thread_while_python_runs():
         # the cause: the TP group, referenced by DeepSpeed's module globals, outlives destroy_process_group
         assert "pt_gloo_runloop" in r["after_destroy"], r
         assert r["after_shutdown"] == [], r  # the cure: nothing left for the interpreter's teardown
+        assert r["shm_before"], r  # DeepSpeed's CPU all-reduce workspace, named as shutdown() expects
+    assert deepspeed_shm_segments(port) == []  # and shutdown() removed every rank's name of it

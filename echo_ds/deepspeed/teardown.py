@@ -12,7 +12,8 @@ must take the GIL there is ended by the interpreter (``pthread_exit``), and its 
 after every result was printed.
 
 :func:`shutdown` ends them while the interpreter still runs: Echo's runtimes are closed, every rank
-passes a barrier (no collective is in flight), the process groups are destroyed, DeepSpeed's module-level
+passes a barrier (no collective is in flight), the name of DeepSpeed's CPU shared-memory workspace is
+removed (DeepSpeed leaves it in /dev/shm), the process groups are destroyed, DeepSpeed's module-level
 references to them are dropped, and the garbage collector runs, so that each group's destructor joins
 its threads now. It returns the names of the C++ communication threads still alive afterwards (none
 expected) and warns once naming them.
@@ -76,6 +77,26 @@ def _drop_deepspeed_group_references() -> int:
     return dropped
 
 
+def deepspeed_shm_workspace(rank: int) -> str:
+    """The path of the shared-memory all-reduce workspace that DeepSpeed's CPU accelerator creates for
+    ``rank`` when every rank is local (its ops/csrc/cpu/comm/shm.cpp: SHM_BUFFER_NAME, the user id,
+    MASTER_ADDR, MASTER_PORT and the rank). DeepSpeed never unlinks it: 66 MiB of RAM per rank stays in
+    /dev/shm after the run, and one more set per distinct port."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_deepspeed_shm_workspace(rank: int) -> bool:
+    """Remove ``rank``'s name of DeepSpeed's CPU workspace; True if there was one. Every peer mapped it when
+    DeepSpeed initialised (its initialisation returns only then), so the mappings live on until the
+    processes exit; call it after a barrier that follows ``deepspeed.init_distributed``."""
+    try:
+        os.unlink(deepspeed_shm_workspace(rank))
+    except FileNotFoundError:  # not a CPU run, not all ranks local, or already removed
+        return False
+    return True
+
+
 def shutdown(*runtimes) -> List[str]:
     """End the run's communication in order (see the module docstring); call it after the last collective,
     on every rank, once the engine is no longer referenced (e.g. after ``main()`` returned).
@@ -88,7 +109,10 @@ def shutdown(*runtimes) -> List[str]:
             rt.close()
     if dist.is_initialized():
         dist.barrier()  # no collective of any group is in flight on any rank past this point
+        release_deepspeed_shm_workspace(dist.get_rank())
         dist.destroy_process_group()
+    elif os.environ.get("RANK", "").isdigit():  # the group was destroyed already: the launcher's rank
+        release_deepspeed_shm_workspace(int(os.environ["RANK"]))
     _drop_deepspeed_group_references()
     gc.collect()  # each group's destructor: its work queue drained, its threads joined, its store closed
     left = comm_threads()
