@@ -39,23 +39,10 @@
 #include "echo_quantizer.cuh"
 #include "echo_rescale.cuh"
 #include "echo_rotation.cuh"
+#include "echo_sync.cuh"
 
 namespace echo {
 namespace detail {
-
-__device__ __forceinline__ void st_release_sys(uint64_t* addr, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* addr) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // The first failure of this rank: poison the control block (every later wait gives up at once) and fill
 // the mapped error record, `code` last. Words of the record: the epoch as call; expected and seen are the

@@ -4,6 +4,7 @@
 // not here; these kernels only move bytes and order them across GPUs.
 #include "echo_api.cuh"
 #include "echo_check.cuh"
+#include "echo_sync.cuh"
 
 namespace echo {
 namespace {
@@ -32,24 +33,12 @@ constexpr uint64_t kPutMaxBlocks = 128;
 constexpr int kFlagThreads = 32;
 static_assert(kP2PMaxFlags <= kFlagThreads, "a thread per flag");
 
-__device__ __forceinline__ void st_release_sys(uint32_t* addr, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* addr) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
-  return v;
-}
+using detail::global_timer_ns;
+using detail::ld_acquire_sys;
+using detail::st_release_sys;
 
 __device__ __forceinline__ uint32_t ld_volatile(const uint32_t* addr) {
   return *reinterpret_cast<const volatile uint32_t*>(addr);
-}
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 // Copies num_bytes from src to dst with the widest access both addresses and the length allow.

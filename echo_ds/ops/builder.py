@@ -73,7 +73,7 @@ SOURCES = (
 )
 HEADERS = ("echo_api.cuh", "echo_check.cuh", "echo_device.cuh", "echo_quantizer.cuh", "echo_rotation.cuh",
            "echo_compensator.cuh", "echo_contribution.cuh", "echo_rescale.cuh", "owner_reduce.cuh",
-           "p2p_all_reduce.cuh", "echo_p2p.h")
+           "p2p_all_reduce.cuh", "echo_sync.cuh", "echo_p2p.h")
 
 DEFAULT_ARCH_LIST = "9.0"
 MIN_COMPUTE_CAPABILITY = (8, 0)
