@@ -111,6 +111,20 @@ __device__ __forceinline__ float f_sub(float a, float b) { return __fsub_rn(a, b
 __device__ __forceinline__ float f_mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float f_div(float a, float b) { return __fdiv_rn(a, b); }
 
+// The owner's sum of a thread's elements over the P ranks' terms, ((t_0 + t_1) + ...) + t_{P-1}: rank order,
+// one rounding per addition, the order echo_ds.algorithm sums in. term(r, t) fills rank r's term (the caller's
+// own, held or formed, or decoded from its copy). Every kernel that reduces sums through here.
+template <int kWorld, typename Term>
+__device__ __forceinline__ void sum_in_rank_order(float (&acc)[kElemsPerThread], Term&& term) {
+#pragma unroll
+  for (int r = 0; r < kWorld; ++r) {
+    float t[kElemsPerThread];
+    term(r, t);
+#pragma unroll
+    for (int i = 0; i < kElemsPerThread; ++i) acc[i] = (r == 0) ? t[i] : f_add(acc[i], t[i]);
+  }
+}
+
 __device__ __forceinline__ bool is_finite(float v) { return fabsf(v) < __int_as_float(0x7f800000); }
 
 // 2^k for k in [-126, 126], exactly.

@@ -54,9 +54,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kUncompensated)) own
   }
 
   float acc[kElemsPerThread];
-#pragma unroll
-  for (int r = 0; r < kWorld; ++r) {
-    float t[kElemsPerThread];
+  sum_in_rank_order<kWorld>(acc, [&](int r, float (&t)[kElemsPerThread]) {
     if (r == a.rank) {
       if constexpr (kUncompensated) {
         contribution_from_raw<T, kLanes, true>(a.src, own_raw, own_e, lane, k, t, m);
@@ -68,9 +66,7 @@ __global__ void ECHO_KERNEL_BOUNDS(owner_min_blocks(kWorld, kUncompensated)) own
       const GroupParams p = table_params<kBits>(a.in, scale_bits[r], zero_bits[r]);
       decode<kBits>(copies[r], p.scale, p.zero, t);
     }
-#pragma unroll
-    for (int i = 0; i < kElemsPerThread; ++i) acc[i] = (r == 0) ? t[i] : f_add(acc[i], t[i]);
-  }
+  });
 
   Codes<kBits> codes;
   const GroupParams p = quantize_group<kBits, kLanes>(acc, a.quantizer, lane, codes);

@@ -472,9 +472,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     StateWords m;
     contribution<T, kLanes>(a.src, own_e, lane, numel, k, own, m);
     float acc[kElemsPerThread];
-#pragma unroll
-    for (int r = 0; r < kWorld; ++r) {
-      float t[kElemsPerThread];
+    sum_in_rank_order<kWorld>(acc, [&](int r, float (&t)[kElemsPerThread]) {
       if (r == me) {
 #pragma unroll
         for (int i = 0; i < kElemsPerThread; ++i) t[i] = own[i];
@@ -484,9 +482,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
         const GroupParams p = table_params<kBits>(a.reduce_in, scale_bits[slot], zero_bits[slot]);
         decode<kBits>(copies[slot], p.scale, p.zero, t);
       }
-#pragma unroll
-      for (int i = 0; i < kElemsPerThread; ++i) acc[i] = (r == 0) ? t[i] : f_add(acc[i], t[i]);
-    }
+    });
     Codes<kBits> codes;
     const GroupParams p = quantize_group<kBits, kLanes>(acc, a.quantizer, lane, codes);
 #pragma unroll
@@ -700,9 +696,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kOneShotMinBlocks) p2p_one_shot_kernel(const 
       // The sum ((t_0 + t_1) + ...) + t_{P-1} in rank order, t_s the owner's term, the others decoded from their
       // codes.
       float sum[kElemsPerThread];
-#pragma unroll
-      for (int r = 0; r < kWorld; ++r) {
-        float t[kElemsPerThread];
+      sum_in_rank_order<kWorld>(sum, [&](int r, float (&t)[kElemsPerThread]) {
         if (r == s) {
 #pragma unroll
           for (int i = 0; i < kElemsPerThread; ++i) t[i] = acc[i];
@@ -712,9 +706,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kOneShotMinBlocks) p2p_one_shot_kernel(const 
               load_shot_group<kBits, kLanes>(shot_region<kWorld, kBits, kLanes>(a, me, r, epoch), s, gi, lane, packed, p);
           decode<kBits>(copy, p.scale, p.zero, t);
         }
-#pragma unroll
-        for (int i = 0; i < kElemsPerThread; ++i) sum[i] = (r == 0) ? t[i] : f_add(sum[i], t[i]);
-      }
+      });
       Codes<kBits> codes;
       const GroupParams p = quantize_group<kBits, kLanes>(sum, a.quantizer, lane, codes);
       if (s == me) note_quantized<kBits, kLanes>(a, &range, watch, sum, codes, p, e, lane, k, m);  // the owner's share
@@ -779,17 +771,13 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(
   wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
   for_groups([&](int64_t gl) {
     float acc[kElemsPerThread];
-#pragma unroll
-    for (int r = 0; r < kWorld; ++r) {
-      float t[kElemsPerThread];
+    sum_in_rank_order<kWorld>(acc, [&](int r, float (&t)[kElemsPerThread]) {
       if (r == me) {
         load_thread<T, kLanes>(x, element(me, gl), lane, numel, x_vec, t);
       } else {
         load_thread<T, kLanes>(slot(a.reduce_in.codes[r]), gl * kPlainGroupSize, lane, kSlotBound, true, t);
       }
-#pragma unroll
-      for (int i = 0; i < kElemsPerThread; ++i) acc[i] = (r == 0) ? t[i] : f_add(acc[i], t[i]);
-    }
+    });
 #pragma unroll
     for (int d = 0; d < kWorld; ++d) {
       store_thread<T, kLanes>(slot(a.reduce_out.codes[d]), gl * kPlainGroupSize, lane, kSlotBound, true, acc);
