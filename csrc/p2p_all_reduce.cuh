@@ -161,6 +161,18 @@ __device__ __forceinline__ LaunchTag begin_launch(const P2PAllReduceArgs& a, uin
   return {epoch, ((epoch & 0xffffffffu) << 32) | a.descriptor};
 }
 
+// This block's groups of a launch's chunk of G groups, item by item (kGroupsPerBlockItem groups each, the grid
+// striding over the items): body(gi) for this thread's group gi of each item, while gi < G (whole groups skip
+// together, so a group's lanes stay converged).
+template <int kLanes, typename Body>
+__device__ __forceinline__ void for_block_groups(int64_t G, Body&& body) {
+  constexpr int kPerItem = kGroupsPerBlockItem<kLanes>;
+  for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
+    const int64_t gi = base + threadIdx.x / kLanes;
+    if (gi < G) body(gi);
+  }
+}
+
 template <int kBits, int kLanes>
 __device__ __forceinline__ void watch_range(RangeWatch* w, const float (&v)[kElemsPerThread], const GroupParams& p,
                                             Quantizer quantizer, int lane) {
@@ -195,6 +207,17 @@ __device__ __forceinline__ void count_range(const P2PAllReduceArgs& a) {
   if (underflow) e->underflow_calls = e->underflow_calls + 1;
   c->range_clipped = 0;
   c->range_key = 0;
+}
+
+// The end of a launch that may watch the range (pow2 0: the block's events fold into the control block; the last
+// block to finish counts the call's), then finish_launch.
+__device__ __forceinline__ void end_launch_watching(const P2PAllReduceArgs& a, const RangeWatch& range, uint64_t epoch,
+                                                    bool watch) {
+  if (watch) {
+    __syncthreads();
+    if (threadIdx.x == 0) fold_range(a, range);
+  }
+  if (finish_launch(a.control, epoch) && watch) count_range(a);
 }
 
 // -DECHO_P2P_SIGNAL_FENCE=0 builds the signal without the full system fence before the release store (the
@@ -531,11 +554,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
     }
   }
 
-  if (watch) {
-    __syncthreads();
-    if (threadIdx.x == 0) fold_range(a, range);
-  }
-  if (finish_launch(control, epoch) && watch) count_range(a);
+  end_launch_watching(a, range, epoch, watch);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -714,11 +733,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kOneShotMinBlocks) p2p_one_shot_kernel(const 
     }
   }
 
-  if (watch) {
-    __syncthreads();
-    if (threadIdx.x == 0) fold_range(a, range);
-  }
-  if (finish_launch(control, epoch) && watch) count_range(a);
+  end_launch_watching(a, range, epoch, watch);
 }
 
 // The same call without quantization (a custom all-reduce like vLLM's two-shot one): the in-run 16-bit
@@ -733,7 +748,6 @@ constexpr int kPlainGroupSize = 256;
 template <typename T, int kWorld>
 __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(const P2PAllReduceArgs a) {
   constexpr int kLanes = kPlainGroupSize / kElemsPerThread;
-  constexpr int kPerItem = kGroupsPerBlockItem<kLanes>;
   constexpr int64_t kSlotBound = INT64_MAX;  // slots hold whole groups: no element of a slot is padding
   __shared__ uint64_t epoch_shared;
   const int me = a.rank;
@@ -748,15 +762,9 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(
 
   const auto [epoch, tag] = begin_launch<false>(a, epoch_shared, nullptr);  // no range words: no range events
   P2PFlags* mine = a.flags[me];
-  const auto for_groups = [&](auto&& body) {  // this block's groups of the chunk
-    for (int64_t base = int64_t(blockIdx.x) * kPerItem; base < G; base += int64_t(gridDim.x) * kPerItem) {
-      const int64_t gl = base + threadIdx.x / kLanes;
-      if (gl < G) body(gl);
-    }
-  };
 
   // A. entry: the segments this rank sends, x's words into each owner's push slot.
-  for_groups([&](int64_t gl) {
+  for_block_groups<kLanes>(G, [&](int64_t gl) {
 #pragma unroll 1
     for (int j = 0; j < kWorld; ++j) {
       if (j == me) continue;
@@ -769,7 +777,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(
 
   // B. owner reduce: the fp32 sum in rank order, rounded once, into every rank's gather slot.
   wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
-  for_groups([&](int64_t gl) {
+  for_block_groups<kLanes>(G, [&](int64_t gl) {
     float acc[kElemsPerThread];
     sum_in_rank_order<kWorld>(acc, [&](int r, float (&t)[kElemsPerThread]) {
       if (r == me) {
@@ -788,7 +796,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(
   // C. tail: every segment's sum into y.
   wait_peers<kWorld>(a, mine->gather, tag, kP2PWaitTail);
   const bool y_vec = aligned16(a.out);
-  for_groups([&](int64_t gl) {
+  for_block_groups<kLanes>(G, [&](int64_t gl) {
 #pragma unroll 1
     for (int seg = 0; seg < kWorld; ++seg) {
       const int64_t e = element(seg, gl);
