@@ -26,6 +26,7 @@ from echo_ds.config import STATE_DTYPES, DirectionConfig
 from echo_ds.emulate import emulated_echo_all_reduce
 from echo_ds.quant import QUANTIZERS, QuantSpec
 from echo_ds.reference import echo_all_reduce
+from host_transport import transport_arg
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -528,7 +529,7 @@ def suite(rank, world_size, cfg):
     out = []
     t0 = time.perf_counter()
     buf = EchoBuffer(max_numel=cfg["max_numel"], timeout_s=cfg.get("timeout_s", 10.0),
-                     tile_bytes=cfg.get("tile_bytes", 1 << 20), transport=cfg["transport"],
+                     tile_bytes=cfg.get("tile_bytes", 1 << 20), transport=transport_arg(cfg["transport"]),
                      stages=cfg.get("stages", "auto"))
     assert buf.active, buf.reason
     table = buf.table
@@ -610,7 +611,7 @@ def killed_body(rank, world_size, cfg):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     # stages "torch" (default) tests the staged transport without a kernel build; "fused" the one launch.
     stages = cfg.get("stages", "torch")
-    buf = EchoBuffer(max_numel=1 << 20, timeout_s=cfg["timeout_s"], transport=cfg["transport"], stages=stages)
+    buf = EchoBuffer(max_numel=1 << 20, timeout_s=cfg["timeout_s"], transport=transport_arg(cfg["transport"]), stages=stages)
     assert buf.active, buf.reason
     if stages == "fused":
         assert buf.one_launch is not None, "the one-launch call is off"

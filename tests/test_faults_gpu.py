@@ -53,6 +53,7 @@ import traceback
 import pytest
 import torch
 
+from host_transport import HostTransport, transport_arg
 import p2p_suite
 from utils import free_port
 
@@ -170,7 +171,7 @@ def _faulted_rank(rank, world_size, cfg, report, shared):
 
     device = _device(rank, cfg)
     on_fault = "reference" if cfg["then"] == "on_fault" else "raise"
-    buf = EchoBuffer(max_numel=kMaxNumel, timeout_s=cfg["timeout_s"], transport=cfg["transport"], on_fault=on_fault)
+    buf = EchoBuffer(max_numel=kMaxNumel, timeout_s=cfg["timeout_s"], transport=transport_arg(cfg["transport"]), on_fault=on_fault)
     assert buf.active, buf.reason
     mix = p2p_suite.MixedCalls(world_size, rank, device, cfg["sizes"], cfg["comp_numel"], seed=11)
     failure, mismatches = _calls_until_failure(buf, mix, rank, cfg, shared)
@@ -476,7 +477,7 @@ def _on_fault_body(rank, world_size, cfg):
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("echo_ds.p2p").addHandler(handler)
     device = torch.device("cpu")
-    buf = EchoBuffer(max_numel=1 << 16, timeout_s=cfg["timeout_s"], transport="host", on_fault=cfg["on_fault"])
+    buf = EchoBuffer(max_numel=1 << 16, timeout_s=cfg["timeout_s"], transport=HostTransport, on_fault=cfg["on_fault"])
     assert buf.active, buf.reason
     name = collective.group_name(None)
     out = {"registered_before": collective.backend_for(name) is buf, "first": None, "mismatches": []}

@@ -33,6 +33,7 @@ import time
 import pytest
 import torch
 
+from host_transport import transport_arg
 import p2p_suite
 from echo_ds.p2p.protocol import kHashField
 from utils import run_distributed
@@ -100,7 +101,7 @@ class _Rank:
         self.bufs = {}
         for kind in KINDS:  # every rank builds its tensor-parallel buffer first (collective per group)
             self.bufs[kind] = EchoBuffer(self.groups[kind][0], max_numel=cfg["max_numel"], timeout_s=cfg["timeout_s"],
-                                         transport=cfg["transport"])
+                                         transport=transport_arg(cfg["transport"]))
             assert self.bufs[kind].active, self.bufs[kind].reason
         self.mixes = {kind: p2p_suite.MixedCalls(2, KINDS[kind][i].index(rank), self.device, *_mix_args(kind, i, cfg))
                       for kind, (_, i) in self.groups.items()}

@@ -18,6 +18,7 @@ from echo_ds import algorithm as A
 from echo_ds.compensator import make_compensator
 from echo_ds.config import DirectionConfig
 from echo_ds.quant import QuantSpec
+from host_transport import HostTransport
 from p2p_suite import same_bits, same_state
 from test_misuse_reference import PATHS, compile_counted
 from utils import run_distributed
@@ -297,7 +298,7 @@ def host_mismatch_body(rank, world_size):
     from echo_ds.p2p import EchoBuffer, EchoP2PError
     from echo_ds.reference import echo_all_reduce
 
-    buf = EchoBuffer(max_numel=1 << 16, timeout_s=5.0, transport="host")
+    buf = EchoBuffer(max_numel=1 << 16, timeout_s=5.0, transport=HostTransport)
     assert buf.active, buf.reason
     x = _parts(7)[rank]
     try:

@@ -13,6 +13,7 @@ from echo_ds.ops import kernels as K
 from echo_ds.p2p import call as C
 from echo_ds.p2p import layout as L
 from echo_ds.quant import QuantSpec
+from host_transport import HostTransport
 from utils import run_distributed
 
 kSpec = QuantSpec(4, 64, "zero_aware_int", rotation=True)
@@ -127,7 +128,7 @@ def _routes_body(rank, world_size):
     from echo_ds.p2p import EchoBuffer
 
     C.raw_stream = lambda device: 0  # no CUDA stream on the CPU
-    buf = EchoBuffer(transport="host", max_numel=1 << 14, timeout_s=30.0)
+    buf = EchoBuffer(transport=HostTransport, max_numel=1 << 14, timeout_s=30.0)
     assert buf.active, buf.reason
     one = C.OneLaunch(_Ext, _Transport(world_size), rank, world_size, buf.capacity, 66, buf.device, 0)
     buf._owned = buf.one_launch = one

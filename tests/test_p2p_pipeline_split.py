@@ -6,6 +6,7 @@ close() empties the cache."""
 
 import torch
 
+from host_transport import HostTransport
 import p2p_suite
 from echo_ds.quant import QuantSpec
 from utils import run_distributed
@@ -16,7 +17,7 @@ def _cache_body(rank, world_size, cfg):
     from echo_ds.p2p.stages import StagedPipeline, kScheduleCacheSize
 
     P = world_size
-    buf = EchoBuffer(max_numel=1 << 16, tile_bytes=0, timeout_s=30.0, transport="host", stages="torch")
+    buf = EchoBuffer(max_numel=1 << 16, tile_bytes=0, timeout_s=30.0, transport=HostTransport, stages="torch")
     assert buf.active, buf.reason
     pipeline = buf._pipeline
     assert isinstance(pipeline, StagedPipeline) and pipeline.streams == {}, "the host transport has no streams"

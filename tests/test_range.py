@@ -19,6 +19,7 @@ from echo_ds.emulate import emulated_echo_all_reduce
 from echo_ds.p2p import protocol as proto
 from echo_ds.quant import QuantSpec
 from echo_ds.reference import echo_all_reduce
+from host_transport import transport_arg
 from utils import run_distributed, same_states, state_moved
 
 SPECS = (QuantSpec(4, 128, "zero_aware", True), QuantSpec(4, 64, "symmetric", False), QuantSpec(8, 64))
@@ -270,7 +271,7 @@ def _p2p_range_counts(rank, world_size, transport="cuda"):
     echo_log.logger.addHandler(handler)
     # max_numel: the 40,000-element calls run in several chunks (one launch each), counted once per call.
     buf = EchoBuffer(max_numel=1 << 14, timeout_s=20.0, stages="fused" if transport == "cuda" else "auto",
-                     transport=transport)
+                     transport=transport_arg(transport))
     assert buf.active, buf.reason
     out = []
     for spec in ALL_SPECS:

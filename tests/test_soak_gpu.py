@@ -37,6 +37,7 @@ from echo_ds.compensator import make_compensator
 from echo_ds.config import DirectionConfig
 from echo_ds.emulate import emulated_echo_all_reduce
 from echo_ds.quant import QuantSpec
+from host_transport import HostTransport
 from utils import run_distributed
 
 MIB = 1 << 20
@@ -67,7 +68,7 @@ def _soak(rank, world_size, num_calls, host=False):
     sizes_all, comp_sizes = (kSizes, kCompSizes) if not host else ((1, 127, 4097), (127, 4097))
     if host:
         device = torch.device("cpu")
-        buf = EchoBuffer(max_numel=1 << 16, timeout_s=30.0, transport="host")
+        buf = EchoBuffer(max_numel=1 << 16, timeout_s=30.0, transport=HostTransport)
     else:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())

@@ -105,7 +105,9 @@ class EchoBuffer:
     timeout_s: a cross-GPU wait longer than this fails the call with EchoP2PTimeout naming rank, peer,
         stage and call number (default ECHO_P2P_TIMEOUT_S or 5 s). Ranks must not drift further apart.
     device: this rank's GPU (default: torch's current device).
-    transport: "cuda" (IPC + kernels) or "host" (shared memory between CPU processes: tests only).
+    transport: "cuda" (IPC + kernels), or for tests a class implementing the transport's interface on the
+        CPU, built as ``transport(group, rank, world_size, capacity, timeout_s)`` (tests/host_transport.py:
+        shared memory between CPU processes; it carries the staged pipeline only).
     stages: "auto" (the one-launch kernel of echo_ds.ops for messages up to ``one_launch_max_bytes``
         where it supports the call, else the staged kernels of echo_ds.ops where they do, else torch),
         "fused" (the one-launch kernel at every size, with a warning where it cannot run), "kernels" (the
@@ -139,11 +141,14 @@ class EchoBuffer:
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, max_numel: int = kDefaultMaxNumel,
                  tile_bytes: int = kDefaultTileBytes, timeout_s: Optional[float] = None,
-                 device: Optional[torch.device] = None, transport: str = "cuda", stages: str = "auto",
+                 device: Optional[torch.device] = None, transport="cuda", stages: str = "auto",
                  min_group_size: int = 16, one_launch_max_bytes: Optional[int] = None,
                  one_shot_max_bytes: Optional[int] = None, on_fault: str = "raise"):
         if stages not in ("auto", "fused", "kernels", "torch"):
             raise ValueError(f"stages={stages!r} must be 'auto', 'fused', 'kernels' or 'torch'")
+        if not (transport == "cuda" or isinstance(transport, type)):
+            raise ValueError(f"transport={transport!r} must be 'cuda' or a transport class (the CPU's host "
+                             f"transport is a test fixture: tests/host_transport.py)")
         if on_fault not in kOnFault:
             raise ValueError(f"on_fault={on_fault!r} must be one of {', '.join(map(repr, kOnFault))}")
         self.on_fault = on_fault
@@ -190,13 +195,11 @@ class EchoBuffer:
         self._num_calls = 0
         self._fault = None  # tests: (call number, "exit_after_push")
         self._backend_name = None  # the group's name in echo_ds.collective's registry, while registered
-        if transport == "host":
-            self.device = torch.device("cpu")
-            self._init_host()
-        elif transport == "cuda":
+        if transport == "cuda":
             self._init_cuda(device)
         else:
-            raise ValueError(f"transport={transport!r} must be 'cuda' or 'host'")
+            self.device = torch.device("cpu")
+            self._init_host(transport)
         if not self.active:
             _warn_once(self.reason, self.rank)
         _live_buffers.add(self)
@@ -325,10 +328,8 @@ class EchoBuffer:
             logger.info("echo p2p: %d ranks share one device: the one-launch kernel's grid is capped at %d blocks "
                         "per rank, so that every rank's blocks are resident at once", sharing, cap)
 
-    def _init_host(self) -> None:
-        from echo_ds.p2p.transport import HostTransport
-
-        self.transport = HostTransport(self.group, self.rank, self.world_size, self.capacity, self.timeout_s)
+    def _init_host(self, transport_class) -> None:
+        self.transport = transport_class(self.group, self.rank, self.world_size, self.capacity, self.timeout_s)
         self._pipeline = StagedPipeline(self.transport, self.rank, self.world_size, self.capacity, self.device,
                                         self._ops, self.stages, _warn_once)
         self._finish_handshake()
