@@ -547,8 +547,9 @@ def _block_bound_case(rank):
 def results():
     port = free_port()
     res = run_distributed(_scenarios, 2, port, timeout=300)
+    left = deepspeed_shm_segments(port)
     for r in res:
-        r["shm_left"] = deepspeed_shm_segments(port)
+        r["shm_left"] = left
     return res
 
 

@@ -116,8 +116,11 @@ def deepspeed_env(rank: int, world_size: int, shm_port: int) -> bool:
 
 
 def deepspeed_shm_segments(port: int) -> list:
-    """DeepSpeed's CPU all-reduce workspaces under /dev/shm for a run on ``port`` that exist now."""
-    return sorted(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    """DeepSpeed's CPU all-reduce workspaces under /dev/shm for a run on ``port`` that exist now (any rank,
+    any address)."""
+    from echo_ds.deepspeed.teardown import deepspeed_shm_workspace
+
+    return sorted(glob.glob(deepspeed_shm_workspace("*", addr="*", port=port)))
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = kDefaultTimeout):

@@ -77,12 +77,14 @@ def _drop_deepspeed_group_references() -> int:
     return dropped
 
 
-def deepspeed_shm_workspace(rank: int) -> str:
+def deepspeed_shm_workspace(rank, addr=None, port=None) -> str:
     """The path of the shared-memory all-reduce workspace that DeepSpeed's CPU accelerator creates for
     ``rank`` when every rank is local (its ops/csrc/cpu/comm/shm.cpp: SHM_BUFFER_NAME, the user id,
-    MASTER_ADDR, MASTER_PORT and the rank). DeepSpeed never unlinks it: 66 MiB of RAM per rank stays in
-    /dev/shm after the run, and one more set per distinct port."""
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    MASTER_ADDR, MASTER_PORT and the rank; addr and port default to this process's MASTER_ADDR and
+    MASTER_PORT). DeepSpeed never unlinks it: 66 MiB of RAM per rank stays in /dev/shm after the run, and
+    one more set per distinct port."""
+    addr = os.environ.get("MASTER_ADDR", "") if addr is None else addr
+    port = os.environ.get("MASTER_PORT", "") if port is None else port
     return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 

@@ -23,6 +23,7 @@ from echo_ds.p2p import layout as L
 from echo_ds.p2p import protocol as proto
 from echo_ds.quant import QuantSpec
 
+
 def state_dtype(compensator) -> str:
     """The compensator's stored state format ("bf16" without a compensator)."""
     return "bf16" if compensator is None else getattr(compensator, "state_dtype", "bf16")
