@@ -210,13 +210,7 @@ void launch_pow2_amax(const Pow2AmaxArgs& args, cudaStream_t stream);
 // resident at once (P2PRuntime::max_blocks), so that a block never waits for a peer block that cannot run.
 constexpr int kP2PMaxBlocks = 256;
 
-// Error-record stage ids (echo_ds/p2p/protocol.py, kWait*), and codes.
-constexpr uint32_t kP2PWaitAmax = 0;
-constexpr uint32_t kP2PWaitReduce = 1;
-constexpr uint32_t kP2PWaitTail = 2;
-constexpr uint32_t kP2PErrorTimeout = 1;
-constexpr uint32_t kP2PErrorAborted = 2;
-constexpr uint32_t kP2PErrorMismatch = 3;  // a peer's flag of this call carries another call descriptor
+// The error record's stage ids and codes: echo_p2p.h (kWait*, kError*).
 
 // The flag area of one rank (inside its exported signal memory), written by its peers. Block b of rank s
 // publishes push[s][b] on owner j when its codes of owner j's segment are in j's push slot for s; block b
@@ -225,7 +219,7 @@ constexpr uint32_t kP2PErrorMismatch = 3;  // a peer's flag of this call carries
 // bits), which only grows, and the call's 32-bit descriptor (echo_ds/p2p/protocol.py, call_descriptor:
 // dtype, bits, group size, quantizer, rotation, pow2, residual, a hash of the element count, site and
 // direction). A waiter is released when the flag EQUALS the value it expects; a flag of the same epoch with
-// another descriptor is a mismatch between the ranks' calls (kP2PErrorMismatch); a flag never goes back to 0.
+// another descriptor is a mismatch between the ranks' calls (kErrorMismatch); a flag never goes back to 0.
 struct P2PFlags {
   uint64_t push[kMaxWorldSize][kP2PMaxBlocks];
   uint64_t gather[kMaxWorldSize][kP2PMaxBlocks];
@@ -259,29 +253,6 @@ struct P2PControl {
 static_assert(sizeof(P2PControl) == 64 && offsetof(P2PControl, range_key) == 32 && offsetof(P2PControl, failure) == 40,
               "P2PControl layout");
 
-// Written by the device into mapped host memory (echo_ds/p2p/layout.py ErrorRecord: the same 64 bytes
-// as the staged transport's record). The first failing wait fills it; `code` is written last. The range
-// counters are the one-launch call's (calls without rescaling whose groups this rank quantized were
-// clipped, or whose largest group's scale was below fp16's smallest normal value: algorithm.range_flags);
-// only the device writes them and the host reads them whenever it likes (they only grow).
-struct P2PErrorRecord {
-  uint32_t code;
-  uint32_t rank;
-  uint32_t peer;
-  uint32_t stage;
-  uint32_t tile;        // the block
-  uint32_t call_index;  // low 32 bits of the epoch
-  uint32_t expected;    // the epoch waited for (kP2PErrorMismatch: this rank's descriptor)
-  uint32_t seen;        // the epoch the flag held (kP2PErrorMismatch: the peer's descriptor)
-  uint64_t waited_ns;
-  uint32_t abort_request;  // written by the host: every wait gives up at once
-  uint32_t one_launch;     // 1: the record is the one-launch kernel's
-  uint32_t clipped_calls;
-  uint32_t underflow_calls;
-  uint32_t reserved[2];
-};
-static_assert(sizeof(P2PErrorRecord) == 64 && offsetof(P2PErrorRecord, abort_request) == 40, "P2PErrorRecord layout");
-
 struct P2PAllReduceArgs {
   Layout layout;
   Contribution src;  // x and the state; src.update_state is ignored (update_local / update_output say)
@@ -299,7 +270,7 @@ struct P2PAllReduceArgs {
   QuantTable gathered;    // [o]: this rank's gather slot for owner o (every o)
   P2PFlags* flags[kMaxWorldSize];  // every rank's flag area, as this process maps it
   P2PControl* control;
-  P2PErrorRecord* error;  // device address of the mapped record
+  EchoP2PErrorRecord* error;  // device address of the mapped record (echo_p2p.h)
   // The staged transport's poison word (echo_p2p.h, EchoP2PControl::poisoned), or null: set at this rank's
   // first failure too, so that staged calls issued behind a failed launch (the descriptor gate in front of
   // every staged call, echo_ds/p2p/buffer.py) publish no flag and wait for none.

@@ -381,8 +381,8 @@ class P2PRuntime {
     TORCH_CHECK(timeout_ns > 0, "P2PRuntime: timeout_ns must be positive");
     TORCH_CHECK(max_blocks >= 1 && max_blocks <= echo::kP2PMaxBlocks, "P2PRuntime: max_blocks must be in [1, ",
                 echo::kP2PMaxBlocks, "], got ", max_blocks);
-    error_ = reinterpret_cast<echo::P2PErrorRecord*>(error_record);
-    error_host_ = reinterpret_cast<const volatile echo::P2PErrorRecord*>(error_record_host);
+    error_ = reinterpret_cast<EchoP2PErrorRecord*>(error_record);
+    error_host_ = reinterpret_cast<const volatile EchoP2PErrorRecord*>(error_record_host);
     TORCH_CHECK(staged_poisoned % 4 == 0, "P2PRuntime: staged_poisoned must be 0 or a 4-byte aligned address");
     staged_poisoned_ = reinterpret_cast<uint32_t*>(staged_poisoned);
     max_blocks_ = max_blocks;
@@ -638,14 +638,14 @@ class P2PRuntime {
   int64_t rank_, world_size_, code_half_, param_half_, timeout_ns_, max_blocks_ = 1;
   c10::DeviceIndex device_ = 0;
   std::vector<Plan> plans_;
-  const volatile echo::P2PErrorRecord* error_host_ = nullptr;  // the record's host mapping (its words, no sync)
+  const volatile EchoP2PErrorRecord* error_host_ = nullptr;  // the record's host mapping (its words, no sync)
   uint32_t seen_clipped_ = 0, seen_underflow_ = 0;
   uint8_t* shot_[echo::kMaxWorldSize] = {};
   int64_t shot_sender_bytes_ = 0;
   uint8_t* codes_[echo::kMaxWorldSize] = {};
   uint8_t* params_[echo::kMaxWorldSize] = {};
   echo::P2PFlags* flags_[echo::kMaxWorldSize] = {};
-  echo::P2PErrorRecord* error_ = nullptr;
+  EchoP2PErrorRecord* error_ = nullptr;
   uint32_t* staged_poisoned_ = nullptr;
   echo::P2PControl* control_ = nullptr;
 };

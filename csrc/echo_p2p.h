@@ -34,7 +34,8 @@ constexpr uint32_t kStageReduce = 1;
 constexpr uint32_t kStageGather = 2;
 constexpr uint32_t kStagesPerCall = 3;
 
-// Stage ids of the error record (what a waiter was waiting for).
+// Stage ids of the error record (what a waiter was waiting for), and its codes: the staged transport's and the
+// one-launch kernels' (echo_ds/p2p/protocol.py holds the same table; tests/test_facts.py compares them).
 constexpr uint32_t kWaitAmax = 0;    // the pow2 rescaling's max exchange, before push
 constexpr uint32_t kWaitReduce = 1;  // the owner's reduce waits for its peers' pushes
 constexpr uint32_t kWaitTail = 2;    // tail waits for the owners' gathers
@@ -43,6 +44,7 @@ constexpr uint32_t kWaitProbe = 3;   // the constructor's write-and-verify probe
 constexpr uint32_t kErrorNone = 0;
 constexpr uint32_t kErrorTimeout = 1;
 constexpr uint32_t kErrorAborted = 2;
+constexpr uint32_t kErrorMismatch = 3;  // the one launch: a peer's flag of this call carries another call descriptor
 
 // The signal words of one rank, written by its peers.
 struct EchoP2PSignals {
@@ -73,23 +75,26 @@ struct EchoP2PControl {
 static_assert(sizeof(EchoP2PControl) == 128, "EchoP2PControl size");
 static_assert(offsetof(EchoP2PControl, arrivals) == 16, "EchoP2PControl::arrivals");
 
-// Written by the device into mapped pinned host memory; the host reads it without synchronising.
-// The first wait that fails fills it; `code` is written last, after a system fence. The one-launch
-// kernel writes the same record (echo_api.cuh, P2PErrorRecord; p2p_transport.cu asserts that the two
-// agree).
+// Written by the device into mapped pinned host memory; the host reads it without synchronising. The one
+// error record of both transports: the staged transport's waits (p2p_transport.cu) and the one-launch kernels
+// (p2p_all_reduce.cuh) fill it; echo_ds/p2p/layout.py reads it through the offsets exported below. The first
+// wait that fails fills it; `code` is written last, after a system fence. The range counters are the
+// one-launch call's (calls without rescaling whose groups this rank quantized were clipped, or whose largest
+// group's scale was below fp16's smallest normal value: algorithm.range_flags); only the device writes them
+// and the host reads them whenever it likes (they only grow).
 struct EchoP2PErrorRecord {
   uint32_t code;  // kError*
   uint32_t rank;
   uint32_t peer;
-  uint32_t stage;  // kWait*
-  uint32_t tile;
-  uint32_t call_index;
-  uint32_t expected;
-  uint32_t seen;
+  uint32_t stage;       // kWait*
+  uint32_t tile;        // the tile (staged) or the block (one launch)
+  uint32_t call_index;  // the call (staged); the low 32 bits of the epoch (one launch)
+  uint32_t expected;    // the flag value waited for (one launch: the epoch; kErrorMismatch: this rank's descriptor)
+  uint32_t seen;        // the value the flag held (one launch: the epoch; kErrorMismatch: the peer's descriptor)
   uint64_t waited_ns;
   uint32_t abort_request;  // written by the host: every wait gives up at once (close, exit)
   uint32_t one_launch;     // 1: written by the one-launch kernel (its flags hold call numbers, tile is a block)
-  uint32_t clipped_calls;    // the one-launch call's range counters (echo_api.cuh, P2PErrorRecord)
+  uint32_t clipped_calls;
   uint32_t underflow_calls;
   uint32_t reserved[2];
 };

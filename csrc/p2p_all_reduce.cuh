@@ -53,8 +53,8 @@ __device__ __forceinline__ void record_failure(const P2PAllReduceArgs& a, uint32
   if (atomicCAS(&a.control->failure, 0ull, failure) != 0ull) return;  // a failure is already recorded
   *reinterpret_cast<volatile uint32_t*>(&a.control->poisoned) = 1u;
   if (a.staged_poisoned != nullptr) atomicExch(a.staged_poisoned, 1u);
-  const bool mismatch = code == kP2PErrorMismatch;
-  volatile P2PErrorRecord* e = a.error;
+  const bool mismatch = code == kErrorMismatch;
+  volatile EchoP2PErrorRecord* e = a.error;
   e->rank = static_cast<uint32_t>(a.rank);
   e->peer = static_cast<uint32_t>(peer);
   e->stage = stage;
@@ -83,7 +83,7 @@ __device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint6
   uint32_t polls = 0;
   while (true) {
     if ((seen >> 32) == (expected >> 32)) {
-      record_failure(a, kP2PErrorMismatch, peer, stage, expected, seen, global_timer_ns() - start);
+      record_failure(a, kErrorMismatch, peer, stage, expected, seen, global_timer_ns() - start);
       return false;
     }
     // The slow checks (clock, abort word in host memory, poison) every 64 polls keep the loop on the flag.
@@ -91,7 +91,7 @@ __device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint6
       if (also != nullptr) {
         const uint64_t other = ld_acquire_sys(also);
         if ((other >> 32) == (expected >> 32) && other != expected) {  // this call's epoch, another descriptor
-          record_failure(a, kP2PErrorMismatch, peer, stage, expected, other, global_timer_ns() - start);
+          record_failure(a, kErrorMismatch, peer, stage, expected, other, global_timer_ns() - start);
           return false;
         }
       }
@@ -99,7 +99,7 @@ __device__ __forceinline__ bool wait_flag(const P2PAllReduceArgs& a, const uint6
       const bool aborted = *reinterpret_cast<volatile uint32_t*>(&a.error->abort_request) != 0;
       const bool poisoned = *reinterpret_cast<volatile uint32_t*>(&a.control->poisoned) != 0;
       if (waited > a.timeout_ns || aborted || poisoned) {
-        if (!poisoned) record_failure(a, aborted ? kP2PErrorAborted : kP2PErrorTimeout, peer, stage, expected, seen, waited);
+        if (!poisoned) record_failure(a, aborted ? kErrorAborted : kErrorTimeout, peer, stage, expected, seen, waited);
         return false;
       }
     }
@@ -202,7 +202,7 @@ __device__ __forceinline__ void count_range(const P2PAllReduceArgs& a) {
   volatile P2PControl* c = a.control;
   const unsigned long long key = c->range_key;
   const bool underflow = (key >> 32) != 0 && __uint_as_float(static_cast<uint32_t>(key)) < kFp16MinNormal;
-  volatile P2PErrorRecord* e = a.error;
+  volatile EchoP2PErrorRecord* e = a.error;
   if (c->range_clipped) e->clipped_calls = e->clipped_calls + 1;
   if (underflow) e->underflow_calls = e->underflow_calls + 1;
   c->range_clipped = 0;
@@ -237,7 +237,7 @@ constexpr bool kSignalFence = ECHO_P2P_SIGNAL_FENCE != 0;
 // rank fails at once anyway.
 __device__ __forceinline__ bool rank_failed(const P2PAllReduceArgs& a, uint64_t tag) {
   const unsigned long long f = *reinterpret_cast<volatile unsigned long long*>(&a.control->failure);
-  return f != 0ull && !((f & 0xffffffffull) == kP2PErrorMismatch && (f >> 32) == (tag >> 32));
+  return f != 0ull && !((f & 0xffffffffull) == kErrorMismatch && (f >> 32) == (tag >> 32));
 }
 
 // After the block's data writes: thread t < P, t != rank, publishes flags[t]->field[rank][block] = tag,
@@ -298,7 +298,7 @@ __device__ __forceinline__ int call_exponent(const P2PAllReduceArgs& a, uint64_t
       unsigned best = 0u;
       for (int s = 0; s < kWorld; ++s) {
         // A peer without rescaling never writes its max: its push flag names the other call.
-        wait_flag(a, &mine->amax_flag[s], tag, kP2PWaitAmax, s, s == me ? nullptr : &mine->push[s][blockIdx.x]);
+        wait_flag(a, &mine->amax_flag[s], tag, kWaitAmax, s, s == me ? nullptr : &mine->push[s][blockIdx.x]);
         best = max(best, __float_as_uint(*reinterpret_cast<volatile float*>(&mine->amax[s])));
       }
       amax_shared = a.pow2 == 2 ? pow2_auto_gate(__uint_as_float(best)) : __uint_as_float(best);
@@ -469,7 +469,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   signal_peers<kWorld, false>(a, tag);
 
   // B. owner reduce of this block's groups of the owned segment, the sum in rank order.
-  wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
+  wait_peers<kWorld>(a, mine->push, tag, kWaitReduce);
   for (int64_t base = int64_t(blockIdx.x) * kPerItem; !(kTimingSkip & 2) && base < G;
        base += int64_t(gridDim.x) * kPerItem) {
     const int64_t gi = base + threadIdx.x / kLanes;
@@ -515,7 +515,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   signal_peers<kWorld, true>(a, tag);
 
   // C. tail: every segment's reduced codes -> y (and residual "output"'s update).
-  wait_peers<kWorld>(a, mine->gather, tag, kP2PWaitTail);
+  wait_peers<kWorld>(a, mine->gather, tag, kWaitTail);
   for (int64_t base = int64_t(blockIdx.x) * kPerItem; !(kTimingSkip & 4) && base < G;
        base += int64_t(gridDim.x) * kPerItem) {
     const int64_t gi = base + threadIdx.x / kLanes;
@@ -686,7 +686,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kOneShotMinBlocks) p2p_one_shot_kernel(const 
     }
   }
   signal_peers<kWorld, false>(a, tag);
-  wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
+  wait_peers<kWorld>(a, mine->push, tag, kWaitReduce);
 
   // B + C. this block's groups of every segment: the ordered fp32 sum (the owner's term from its fp32 copy,
   // or formed here for this rank's own segment), requantized once, then decoded into y at once.
@@ -776,7 +776,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(
   signal_peers<kWorld, false>(a, tag);
 
   // B. owner reduce: the fp32 sum in rank order, rounded once, into every rank's gather slot.
-  wait_peers<kWorld>(a, mine->push, tag, kP2PWaitReduce);
+  wait_peers<kWorld>(a, mine->push, tag, kWaitReduce);
   for_block_groups<kLanes>(G, [&](int64_t gl) {
     float acc[kElemsPerThread];
     sum_in_rank_order<kWorld>(acc, [&](int r, float (&t)[kElemsPerThread]) {
@@ -794,7 +794,7 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_plain_all_reduce_kernel(
   signal_peers<kWorld, true>(a, tag);
 
   // C. tail: every segment's sum into y.
-  wait_peers<kWorld>(a, mine->gather, tag, kP2PWaitTail);
+  wait_peers<kWorld>(a, mine->gather, tag, kWaitTail);
   const bool y_vec = aligned16(a.out);
   for_block_groups<kLanes>(G, [&](int64_t gl) {
 #pragma unroll 1

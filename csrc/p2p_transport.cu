@@ -11,17 +11,6 @@ namespace {
 
 static_assert(kEchoMaxWorld == kMaxWorldSize, "echo_p2p.h and echo_api.cuh size groups alike");
 static_assert(sizeof(EchoP2PControl::arrivals) / sizeof(uint32_t) == kP2PNumLanes, "one arrival counter per lane");
-// NOTE: the one-launch kernel and the waits here fill the same mapped record, and the host reads it
-// through EchoP2PErrorRecord's offsets.
-static_assert(sizeof(P2PErrorRecord) == sizeof(EchoP2PErrorRecord), "the error records' size");
-static_assert(offsetof(P2PErrorRecord, code) == offsetof(EchoP2PErrorRecord, code) &&
-                  offsetof(P2PErrorRecord, seen) == offsetof(EchoP2PErrorRecord, seen) &&
-                  offsetof(P2PErrorRecord, waited_ns) == offsetof(EchoP2PErrorRecord, waited_ns) &&
-                  offsetof(P2PErrorRecord, abort_request) == offsetof(EchoP2PErrorRecord, abort_request) &&
-                  offsetof(P2PErrorRecord, one_launch) == offsetof(EchoP2PErrorRecord, one_launch) &&
-                  offsetof(P2PErrorRecord, clipped_calls) == offsetof(EchoP2PErrorRecord, clipped_calls) &&
-                  offsetof(P2PErrorRecord, underflow_calls) == offsetof(EchoP2PErrorRecord, underflow_calls),
-              "the error records' words");
 
 // Put launches: bytes per block and threads per block. 512 threads x 16-byte vectors keep 8 KiB in
 // flight per block; one block per 256 KiB of a tile keeps a 1 MiB tile on 4 blocks per peer and a

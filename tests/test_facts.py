@@ -207,6 +207,18 @@ def test_residual_and_pow2_codes_are_the_one_launch_calls():
     assert upper_bound(binding, "pow2") == len(A.POW2_MODES) - 1, "P2PRuntime.plan's pow2 check"
 
 
+def test_error_codes_and_wait_stages_are_the_records():
+    """The one error record's codes and stage ids (csrc/echo_p2p.h, written by both transports' waits) are
+    the table the host decodes it with (echo_ds/p2p/protocol.py)."""
+    header = source("echo_p2p.h")
+    declared = {name: int(v) for name, v in re.findall(r"constexpr uint32_t (k(?:Wait|Error)\w+) = (\d+);", header)}
+    python = {name: getattr(proto, name) for name in dir(proto) if re.fullmatch(r"k(?:Wait|Error)[A-Z]\w*", name)}
+    assert declared == python, "kWait* / kError* of csrc/echo_p2p.h against echo_ds/p2p/protocol.py"
+    assert set(proto.WAIT_STAGE_NAMES) == {v for k, v in declared.items() if k.startswith("kWait")}
+    api = source("echo_api.cuh") + source("p2p_all_reduce.cuh")
+    assert not re.search(r"\bkP2P(?:Wait|Error)\w*", api), "a second table of codes in the one-launch sources"
+
+
 # ----------------------------------------------------------------------------------------------------
 # The call descriptor
 # ----------------------------------------------------------------------------------------------------
