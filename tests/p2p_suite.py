@@ -517,6 +517,23 @@ def check_stress(buf, rank, P, device, num_calls, sizes, sample_every):
     return secs, num_checked
 
 
+def largest(rank, world_size, cfg):
+    """The top of the range the transport is specified for: ``cfg["sizes"]`` (1 GiB of bf16) through an EchoBuffer of
+    the default workspace (kDefaultMaxNumel: the one-launch call takes such a message chunk by chunk under every
+    stages setting), compensated and not, rotated and not, against the emulator on rank 0 and across ranks."""
+    from echo_ds.p2p import EchoBuffer
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    buf = EchoBuffer(timeout_s=cfg.get("timeout_s", 10.0), stages=cfg.get("stages", "auto"))
+    assert buf.active and buf.one_launch is not None, buf.reason
+    lines = check_sizes(buf, rank, world_size, device, cfg["sizes"], every_rank_below=0)
+    for line in lines:
+        log(rank, f"P={world_size}: {line} (workspace of {buf.capacity.max_numel} elements)")
+    buf.close()
+    return {"lines": lines}
+
+
 def suite(rank, world_size, cfg):
     """Everything but the killed rank; ``cfg``: transport, device kind, sizes, stress length."""
     from echo_ds.p2p import EchoBuffer

@@ -5,7 +5,7 @@ MPS their spinning waits and kernels run side by side (benchmarks/p2p_gpu.sh sta
 every dtype, bit width, quantizer, rotation, compensator residual and pow2 setting bit-identical to the
 specification on the device (the emulator, i.e. the reference's operations on CUDA tensors) and across
 ranks, the CPU reference over gloo compared and its differences reported; sizes from 1 element to
-256 MiB (P = 8: to 32 MiB); CUDA graph
+256 MiB (P = 8: to 32 MiB), and 1 GiB at P = 2 through the default workspace; CUDA graph
 capture and replay with new inputs; 10,000 back-to-back calls of mixed sizes; a rank killed in the
 middle of a call turns into EchoP2PTimeout on the others within the timeout. The checks are in
 tests/p2p_suite.py (the CPU run of the same checks is tests/test_p2p_host.py).
@@ -50,6 +50,15 @@ def test_gpu_suite(world_size):
     cfg = GPU_CFG if world_size < 8 else dict(GPU_CFG, sizes=[(n, d) for n, d in GPU_CFG["sizes"] if n <= 16_777_259])
     results = run_distributed(p2p_suite.suite, world_size, cfg, timeout=400)
     assert len({r["device_calls"] for r in results}) == 1
+
+
+def test_gpu_one_gib():
+    """1 GiB of bf16 (the top of the issue's range) at P = 2: one binding call, chunk by chunk through the default
+    workspace, compensated then rotated with an odd length, bit-identical to the emulator (rank 0: its fp32
+    intermediates take about 20 GiB) and across ranks."""
+    cfg = dict(GPU_CFG, sizes=[(512 * MIB, "bfloat16"), (512 * MIB - 3, "bfloat16")])
+    results = run_distributed(p2p_suite.largest, 2, cfg, timeout=500)
+    assert all(len(r["lines"]) == 2 for r in results), results
 
 
 def test_gpu_torch_stages():
