@@ -139,7 +139,7 @@ def flag_latency_body(rank, world_size, n):
     from echo_ds.p2p import EchoBuffer
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    buf = EchoBuffer(max_numel=1 << 16, stages="torch")
+    buf = EchoBuffer(max_numel=1 << 16, stages="kernels")
     assert buf.active, buf.reason
     out = {}
     for graph in (False, True):

@@ -1,6 +1,6 @@
 """The arithmetic of one Echo all-reduce, without its communication: the pure-tensor stages shared by
-the distributed reference (echo_ds.reference), the emulator (echo_ds.emulate) and the p2p transport's
-torch stages (echo_ds.p2p.stages.TorchSchedule).
+the distributed reference (echo_ds.reference), the emulator (echo_ds.emulate) and the tests' torch stages
+of the p2p transport (tests/torch_stages.py).
 
 Every function here works on a leading rank axis R (R = 1 on one rank of the distributed reference,
 R = P in the emulator), so every path runs the very same fp32 operations and gives identical bits.
@@ -181,7 +181,7 @@ def range_flags(seg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec
 def note_rank_range(values, scales, zeros, spec: QuantSpec, where: str) -> None:
     """One rank's range events of a call without rescaling (range_flags over everything it quantized: the
     pieces ``values`` [..., g] fp32, quantized under ``scales`` and ``zeros`` [...]), counted and warned
-    about (note_range). The reference and the torch stages pass their sent segments and the one reduced."""
+    about (note_range). The reference and the tests' torch stages pass their sent segments and the one reduced."""
     g = spec.group_size
     seg = torch.cat([v.reshape(-1, g) for v in values])[None]
     scale = torch.cat([s.reshape(-1) for s in scales])[None]

@@ -1,8 +1,8 @@
 """The p2p transport's interface (echo_ds/p2p/transport.py) over shared memory files between processes of one
-host, the CPU doing the copies and the polling: the staged pipeline above it (tiling, offsets, the Echo stages,
-flag values, the waits' failures) runs bit for bit against the reference on a machine without a GPU. A test
-fixture, not a production path: ``EchoBuffer(transport=HostTransport)`` (``transport_arg`` maps the tests'
-configuration name "host" to it).
+host, the CPU doing the copies and the polling: the staged pipeline above it (tiling, offsets, flag values,
+the waits' failures) runs bit for bit against the reference on a machine without a GPU, with the stages this
+transport brings, the torch stages (tests/torch_stages.py). A test fixture, not a production path:
+``EchoBuffer(transport=HostTransport)`` (``transport_arg`` maps the tests' configuration name "host" to it).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import protocol as proto
+from torch_stages import TorchSchedule
 
 
 def transport_arg(name: str):
@@ -35,6 +36,7 @@ class HostTransport:
     """The p2p protocol between processes of one host through shared memory files (CPU tensors)."""
 
     kind = "host"
+    schedule = TorchSchedule  # the stages the staged pipeline runs over this transport (StagedPipeline)
 
     def __init__(self, group, rank: int, world_size: int, capacity: L.Capacity, timeout_s: float):
         self.error = ""

@@ -626,8 +626,9 @@ def killed_body(rank, world_size, cfg):
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    # stages "torch" (default) tests the staged transport without a kernel build; "fused" the one launch.
-    stages = cfg.get("stages", "torch")
+    # stages "kernels" (default) tests the staged transport (on the host transport: its torch stages); "fused"
+    # the one launch.
+    stages = cfg.get("stages", "kernels")
     buf = EchoBuffer(max_numel=1 << 20, timeout_s=cfg["timeout_s"], transport=transport_arg(cfg["transport"]), stages=stages)
     assert buf.active, buf.reason
     if stages == "fused":

@@ -144,7 +144,8 @@ def _routes_body(rank, world_size):
     out["refused"] = (len(rt.calls), buf.num_calls, comp.num_calls)
     buf.plain_all_reduce(x, site=2, direction="backward")
     out["plain"] = rt.plain_calls[-1][0]
-    # g = 16: not the kernels' group size, the staged pipeline (torch stages), behind the gate's plain launch
+    # g = 16: not the kernels' group size: the staged pipeline with the host transport's own (torch) stages, behind
+    # the gate's plain launch
     spec16 = QuantSpec(4, 16, "zero_aware_int", rotation=True)
     y16 = buf.all_reduce(x, spec16, pow2_rescale=True, site=3, direction="forward")
     out["gate"] = (rt.plain_calls[-1][0], len(rt.plain_calls), len(rt.calls))

@@ -17,7 +17,7 @@ def _cache_body(rank, world_size, cfg):
     from echo_ds.p2p.stages import StagedPipeline, kScheduleCacheSize
 
     P = world_size
-    buf = EchoBuffer(max_numel=1 << 16, tile_bytes=0, timeout_s=30.0, transport=HostTransport, stages="torch")
+    buf = EchoBuffer(max_numel=1 << 16, tile_bytes=0, timeout_s=30.0, transport=HostTransport)
     assert buf.active, buf.reason
     pipeline = buf._pipeline
     assert isinstance(pipeline, StagedPipeline) and pipeline.streams == {}, "the host transport has no streams"
@@ -34,7 +34,7 @@ def _cache_body(rank, world_size, cfg):
         return x, y
 
     def cached():
-        return [key[0].segment_numel * P for key in pipeline.schedules]
+        return [key.segment_numel * P for key in pipeline.schedules]
 
     first = [call(i)[1] for i in range(len(sizes))]
     assert cached() == sizes[2:], "the cache keeps the most recent schedules, in the order of their use"

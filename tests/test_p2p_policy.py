@@ -60,6 +60,21 @@ def test_call_decision():
     assert not call(numel=0)
 
 
+def test_a_call_no_kernel_runs_takes_the_reference_path():
+    """A group size the kernels are not built for: neither the one launch nor the staged kernels run it (the torch
+    stages left the package), so the call declines with the kernels' reason; where the stages a transport brings
+    take it (the tests' host transport), the staged pipeline serves it."""
+    from echo_ds.ops import kernels as K
+    from echo_ds.quant import QuantSpec
+
+    why = K.unsupported_reason(4, QuantSpec(4, 32), torch.bfloat16)
+    assert why and "group_size=32" in why
+    d = call(group_size=32, staged_unsupported=why)
+    assert not d and "group_size=32" in d.reason and "reference path" in d.reason, d.reason
+    assert call(group_size=32, staged_unsupported="")
+    assert call(group_size=128, staged_unsupported=why, chunked=True), "the one launch serves it"
+
+
 def test_p2p_transport_status_has_the_deepspeed_policy_shape():
     assert policy.p2p_transport_status("cuda", 2) == (True, "")
     ok, why = policy.p2p_transport_status("cuda", 8, same_host=False)

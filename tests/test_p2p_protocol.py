@@ -10,7 +10,7 @@ import torch
 from echo_ds import algorithm as A
 from echo_ds.p2p import layout as L
 from echo_ds.p2p import protocol as proto
-from echo_ds.p2p.stages import pow2_factors
+from torch_stages import pow2_factors
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -249,6 +249,17 @@ def test_transport_is_cuda_or_a_class(bad):
         EchoBuffer(transport=bad)
 
 
+def test_the_torch_stages_are_no_stages_setting():
+    """The torch stages left the package too (tests/torch_stages.py, the host transport's stages): stages="torch"
+    is refused before any collective, saying where calls the kernels do not run go; an unknown value is named."""
+    from echo_ds.p2p import EchoBuffer
+
+    with pytest.raises(ValueError, match="stages='torch'.*reference path.*tests/torch_stages.py"):
+        EchoBuffer(stages="torch")
+    with pytest.raises(ValueError, match="must be 'auto', 'fused' or 'kernels'"):
+        EchoBuffer(stages="staged")
+
+
 def test_call_descriptor_round_trip_and_mismatch_message():
     base = dict(numel=1000, dtype="bfloat16", bits=4, group_size=128, quantizer="zero_aware", rotation=True,
                 pow2=False, residual="local")
@@ -298,9 +309,9 @@ def test_plain_descriptor_differs_from_every_quantized_call():
 
 
 def test_group_sizes_the_kernels_do_not_take_are_described_through_the_hash():
-    """The staged torch stages take every group size (their descriptor gate describes the call): a size without
-    a code of its own reads as "another" and is mixed into the hash, so 16 and 32 still differ; the kernels'
-    sizes keep their codes and their hash."""
+    """A transport's own stages (the tests' torch stages) take every group size, their descriptor gate describing
+    the call: a size without a code of its own reads as "another" and is mixed into the hash, so 16 and 32 still
+    differ; the kernels' sizes keep their codes and their hash."""
     def d(g, numel=4097):
         return proto.call_descriptor(numel=numel, dtype="float32", bits=4, group_size=g, quantizer="zero_aware",
                                      rotation=False, pow2="auto", residual="none", site=1, direction="forward")
@@ -314,7 +325,7 @@ def test_group_sizes_the_kernels_do_not_take_are_described_through_the_hash():
 
 def test_every_call_the_staged_pipeline_may_serve_has_a_descriptor():
     """The staged calls' descriptor gate describes any spec the quantizer takes (found on the H100: group size
-    16, which the torch stages serve, had no code and the gate raised ValueError)."""
+    16, which the torch stages then served in production, had no code and the gate raised ValueError)."""
     from echo_ds.quant import MAX_GROUP_SIZE, MIN_GROUP_SIZE, is_group_size
 
     sizes = [g for g in range(MIN_GROUP_SIZE, MAX_GROUP_SIZE + 1) if is_group_size(g)]

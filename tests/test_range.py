@@ -303,7 +303,7 @@ def test_kernel_counts_range_events_as_the_reference(world_size):
 
 
 def test_torch_stages_count_range_events_as_the_reference():
-    """The same on the host transport (the torch stages, which the staged kernels' fallback also runs)."""
+    """The same on the host transport (its torch stages, the staged pipeline's CPU oracle)."""
     _check_p2p_range_counts(run_distributed(_p2p_range_counts, 2, "host", timeout=120))
 
 

@@ -39,8 +39,8 @@ QUANTIZER_CODES = {name: code for code, name in enumerate(Q.QUANTIZERS)}
 # csrc/echo_binding.cpp), and so the sizes the p2p transport serves (echo_ds.p2p.policy.group_decision).
 # The reference path takes any P.
 KERNEL_WORLD_SIZES = (2, 4, 8)
-# Group sizes the kernels are built for (ECHO_DISPATCH_GROUP_SIZE); the p2p transport runs the stages of
-# the other powers of two through torch. Bit widths: all of quant.SUPPORTED_BITS.
+# Group sizes the kernels are built for (ECHO_DISPATCH_GROUP_SIZE); the p2p transport sends calls of the other
+# powers of two to the reference path. Bit widths: all of quant.SUPPORTED_BITS.
 SUPPORTED_GROUP_SIZES = (64, 128, 256)
 # Element types of every kernel, staged and one-launch, in the order of the kernels' DType codes
 # (csrc/echo_api.cuh), which the one-launch call's descriptor uses too; the p2p transport takes the same.

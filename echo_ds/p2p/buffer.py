@@ -27,11 +27,11 @@ once the owners' flags arrive; the compensator's state is read and written in th
 rescaling (True, or "auto") takes its max inside the launch. The host issues one binding call; flags,
 epochs and pointer tables live in device memory, so the call replays from a CUDA graph like any kernel.
 
-The staged pipeline (stages="kernels" or "torch"; under "auto", calls above one_launch_max_bytes, which the
-policy sets to 16 MiB where ranks share a GPU and leaves unlimited where each has its own, and the fallback
-where the one-launch kernel does not support the call): EchoBuffer gates the call by its descriptor
-(_gate_staged) and hands it to StagedPipeline, which issues the stages on their streams (echo_ds.p2p.stages
-says how).
+The staged pipeline (stages="kernels"; under "auto", calls above one_launch_max_bytes, which the policy sets
+to 16 MiB where ranks share a GPU and leaves unlimited where each has its own): EchoBuffer gates the call by
+its descriptor (_gate_staged) and hands it to StagedPipeline, which issues the stages on their streams
+(echo_ds.p2p.stages says how). A call the kernels do not run (a group size outside
+echo_ds.ops.kernels.SUPPORTED_GROUP_SIZES) takes the reference path, with one warning.
 """
 
 from __future__ import annotations
@@ -107,11 +107,11 @@ class EchoBuffer:
     device: this rank's GPU (default: torch's current device).
     transport: "cuda" (IPC + kernels), or for tests a class implementing the transport's interface on the
         CPU, built as ``transport(group, rank, world_size, capacity, timeout_s)`` (tests/host_transport.py:
-        shared memory between CPU processes; it carries the staged pipeline only).
-    stages: "auto" (the one-launch kernel of echo_ds.ops for messages up to ``one_launch_max_bytes``
-        where it supports the call, else the staged kernels of echo_ds.ops where they do, else torch),
-        "fused" (the one-launch kernel at every size, with a warning where it cannot run), "kernels" (the
-        staged kernels, with a warning where they cannot), or "torch" (the staged pipeline through torch).
+        shared memory between CPU processes; it carries the staged pipeline only, with the stages it brings).
+    stages: "auto" (the one-launch kernel of echo_ds.ops for messages up to ``one_launch_max_bytes``, the
+        staged kernels above), "fused" (the one-launch kernel at every size) or "kernels" (the staged kernels
+        at every size the workspace holds). Under each, a call the kernels do not run takes the reference
+        path, with one warning.
     one_launch_max_bytes: see ``stages="auto"``; None (default): the policy's (echo_ds.p2p.policy.
         one_launch_max_bytes): every size where each rank has a GPU of its own, 16 MiB where ranks share one.
     on_fault: what follows a failed wait (a peer stopped, killed, or further behind than ``timeout_s``; ranks
@@ -144,8 +144,12 @@ class EchoBuffer:
                  device: Optional[torch.device] = None, transport="cuda", stages: str = "auto",
                  min_group_size: int = 16, one_launch_max_bytes: Optional[int] = None,
                  one_shot_max_bytes: Optional[int] = None, on_fault: str = "raise"):
-        if stages not in ("auto", "fused", "kernels", "torch"):
-            raise ValueError(f"stages={stages!r} must be 'auto', 'fused', 'kernels' or 'torch'")
+        if stages == "torch":
+            raise ValueError("stages='torch': the torch stages left the package; a call the kernels do not run takes "
+                             "the reference path (the torch stages are the staged pipeline's CPU oracle, "
+                             "tests/torch_stages.py, which the tests' host transport brings)")
+        if stages not in ("auto", "fused", "kernels"):
+            raise ValueError(f"stages={stages!r} must be 'auto', 'fused' or 'kernels'")
         if not (transport == "cuda" or isinstance(transport, type)):
             raise ValueError(f"transport={transport!r} must be 'cuda' or a transport class (the CPU's host "
                              f"transport is a test fixture: tests/host_transport.py)")
@@ -261,9 +265,8 @@ class EchoBuffer:
 
         self.transport = CudaTransport(self.group, self.rank, self.world_size, self.device, self.capacity,
                                        self.timeout_s, ext)
-        self._ops = ops if self.stages != "torch" else None
-        self._pipeline = StagedPipeline(self.transport, self.rank, self.world_size, self.capacity, self.device,
-                                        self._ops, self.stages, _warn_once)
+        self._ops = ops
+        self._pipeline = StagedPipeline(self.transport, self.rank, self.world_size, self.capacity, self.device, ops)
         self._finish_handshake()
         if self.active:
             self._init_runtime(ext, everyone, uuid)
@@ -322,7 +325,7 @@ class EchoBuffer:
         cap = min(v[1] for v in verdicts)
         self._owned = OneLaunch(ext, self.transport, self.rank, self.world_size, self.capacity, cap, self.device,
                                 self.one_shot_max_bytes)
-        # stages "kernels" / "torch" keep it for the staged calls' descriptor gate only
+        # stages "kernels" keeps it for the staged calls' descriptor gate only
         self.one_launch = self._owned if self.stages in ("auto", "fused") else None
         if sharing > 1 and self.rank == 0:
             logger.info("echo p2p: %d ranks share one device: the one-launch kernel's grid is capped at %d blocks "
@@ -330,8 +333,7 @@ class EchoBuffer:
 
     def _init_host(self, transport_class) -> None:
         self.transport = transport_class(self.group, self.rank, self.world_size, self.capacity, self.timeout_s)
-        self._pipeline = StagedPipeline(self.transport, self.rank, self.world_size, self.capacity, self.device,
-                                        self._ops, self.stages, _warn_once)
+        self._pipeline = StagedPipeline(self.transport, self.rank, self.world_size, self.capacity, self.device, None)
         self._finish_handshake()
 
     def _finish_handshake(self) -> None:
@@ -483,7 +485,8 @@ class EchoBuffer:
             decision = self._decisions[key] = policy.call_decision(
                 dtype=x.dtype, numel=x.numel(), element_size=x.element_size(), world_size=self.world_size,
                 bits=spec.bits, group_size=spec.group_size, capacity=self.capacity, telemetry=telemetry,
-                device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype), state_dtype=state_dtype)
+                device_matches=device_matches, chunked=self._one_launch_serves(spec, x.dtype), state_dtype=state_dtype,
+                staged_unsupported=self._pipeline.unsupported_reason(spec, x.dtype) or "")
         return decision
 
     def _one_launch_serves(self, spec: QuantSpec, dtype: torch.dtype) -> bool:
@@ -531,19 +534,18 @@ class EchoBuffer:
                                    site=site, direction=direction)
         self.check()
         # Without rescaling, the one-launch call at any size: its kernel counts the range events (issue 35).
-        if one is not None and (x.numel() * x.element_size() <= self.one_launch_max_bytes
-                                or pow2_rescale is False or not self._fits_staged(x, spec)):
-            plan = self._one_launch_plan(x, spec, compensator, pow2_rescale, site, direction)
-            if plan is not None:
-                one.remember(key, plan)
-                return self._one_launch(x, plan, compensator)
-        if pow2_rescale is False and self._pipeline.stages_for(x, spec) == "kernels":
-            # NOTE: the staged kernels do not check what the format can express; the one launch, the torch
-            # stages and the reference do (the choice is the same on every rank: the runtime exists on all or
-            # none, the kernels' support is a function of the call's arguments).
-            _warn_once("pow2_rescale=False runs on the one-launch kernel, the torch stages or the reference path, "
-                       "which count messages the format cannot express; the staged kernels do not, and this "
-                       "call's one-launch kernel is not available", self.rank)
+        if self._one_launch_serves(spec, x.dtype) and (x.numel() * x.element_size() <= self.one_launch_max_bytes
+                                                       or pow2_rescale is False or not self._fits_staged(x, spec)):
+            plan = one.plan(x, spec, compensator, pow2_rescale, site, direction)
+            one.remember(key, plan)
+            return self._one_launch(x, plan, compensator)
+        if pow2_rescale is False and not self._pipeline.counts_range:
+            # NOTE: the staged kernels do not check what the format can express; the one launch and the
+            # reference do (the choice is the same on every rank: the runtime exists on all or none, the
+            # kernels' support is a function of the call's arguments).
+            _warn_once("pow2_rescale=False runs on the one-launch kernel or the reference path, which count "
+                       "messages the format cannot express; the staged kernels do not, and this call's one-launch "
+                       "kernel is not available", self.rank)
             return echo_all_reduce(x, spec, group=self.group, compensator=compensator, pow2_rescale=pow2_rescale,
                                    site=site, direction=direction)
         self._gate_staged(x, spec, compensator, pow2_rescale, site, direction)
@@ -603,19 +605,6 @@ class EchoBuffer:
     # ------------------------------------------------------------------------------------------------
     # The one-launch call
     # ------------------------------------------------------------------------------------------------
-
-    def _one_launch_plan(self, x: torch.Tensor, spec: QuantSpec, compensator, pow2, site, direction):
-        """The one-launch call's plan for calls like this one (OneLaunch.plan), or None where its kernel does not
-        support the call (it then runs the staged pipeline)."""
-        from echo_ds.ops import kernels as K
-
-        why = K.unsupported_reason(self.world_size, spec, x.dtype)
-        if why is not None:
-            if self.stages == "fused":
-                _warn_once(f"the one-launch kernel does not support this call ({why}); it runs the staged "
-                           f"pipeline", self.rank)
-            return None
-        return self.one_launch.plan(x, spec, compensator, pow2, site, direction)
 
     def _one_launch(self, x, plan, compensator):
         """The one-launch call by ``plan``: one crossing into the runtime, which checks the error record, allocates

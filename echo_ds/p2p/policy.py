@@ -97,7 +97,8 @@ def state_dtype_decision(state_dtypes: Mapping[str, str]) -> Decision:
 
 def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_size: int, bits: int,
                   group_size: int, capacity: Capacity, min_message_bytes: int = 0, telemetry: bool = False,
-                  device_matches: bool = True, chunked: bool = False, state_dtype: str = "bf16") -> Decision:
+                  device_matches: bool = True, chunked: bool = False, state_dtype: str = "bf16",
+                  staged_unsupported: str = "") -> Decision:
     """Whether one call goes through the p2p transport, given that its group can use it.
 
     min_message_bytes: the ``"min_message_bytes"`` setting; smaller messages are the caller's business
@@ -106,6 +107,9 @@ def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_si
         (one launch each, from one binding call), so a message of any size fits (the staged pipeline needs
         the whole message to fit).
     state_dtype: the compensator's ``state_dtype`` ("bf16" without one).
+    staged_unsupported: why the staged pipeline's stages cannot run the call (echo_ds.ops.kernels.
+        unsupported_reason; empty: they can). Where the one-launch call does not serve it either, the call
+        takes the reference path.
     """
     if not device_matches:
         return Decision(False, "the tensor is not on this EchoBuffer's CUDA device (create one EchoBuffer per "
@@ -122,6 +126,10 @@ def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_si
         return Decision(False, f"{numel * element_size} bytes is below \"min_message_bytes\" = {min_message_bytes}")
     if numel == 0:
         return Decision(False, "an empty tensor")
+    if not chunked and staged_unsupported:
+        return Decision(False, f"the kernels do not run this call ({staged_unsupported}), so it takes the reference "
+                               f"path (echo_ds.ops.kernels.SUPPORTED_GROUP_SIZES lists the group sizes of the p2p "
+                               f"transport)")
     tiling = make_tiling(numel, world_size, bits, group_size, 0, capacity)
     if not chunked and not tiling.fits():
         return Decision(False, f"a message of {numel} elements needs {2 * tiling.code_bytes_needed} code bytes and "

@@ -54,8 +54,8 @@ kErrorMismatch = 3  # the one-launch call: a peer's flag of this call carries a 
 # of the widths before it, and a value's code is its index in the field's values, which come from the
 # declarations of what the kernels take (echo_ds.ops.kernels, echo_ds.quant, echo_ds.algorithm).
 DESCRIPTOR_DTYPES = tuple(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-# The kernels' group sizes, and one code for any other (the staged torch stages take every size the
-# quantizer does, their descriptor gate included): such a size is mixed into the hash instead.
+# The kernels' group sizes, and one code for any other (the stages a transport brings, the tests' torch stages,
+# take every size the quantizer does, their descriptor gate included): such a size is mixed into the hash.
 kOtherGroupSize = "another (in the hash)"
 DESCRIPTOR_GROUP_SIZES = SUPPORTED_GROUP_SIZES + (kOtherGroupSize,)
 DESCRIPTOR_QUANTIZERS = QUANTIZERS
@@ -157,7 +157,7 @@ def call_descriptor(*, numel: int, dtype: str, bits: int, group_size: int, quant
                     state_dtype: str = "bf16") -> int:
     """The 32-bit descriptor of a one-launch call (see decode_descriptor); site and direction: the
     caller's (None: not compared); state_dtype: the compensator's stored format ("bf16" without one)."""
-    other = group_size not in SUPPORTED_GROUP_SIZES  # the staged torch stages' sizes: in the hash
+    other = group_size not in SUPPORTED_GROUP_SIZES  # a size only a transport's own stages take: in the hash
     args = dict(dtype=dtype, bits=bits, group_size=kOtherGroupSize if other else group_size, quantizer=quantizer,
                 rotation=rotation, pow2=pow2, residual=residual, state_dtype=state_dtype)
     codes = {f.arg: _code(f, args[f.arg]) for f in DESCRIPTOR_LAYOUT if f.values is not None}
