@@ -552,10 +552,11 @@ def suite(rank, world_size, cfg):
     table = buf.table
     assert len(table) == 3 * P + 1 and len(set(table)) == 3 * P + 1, table
     if buf.one_launch is not None:
-        stages = (f"one launch per call (echo_ds.ops P2PRuntime, grid <= {buf.one_launch.max_blocks} blocks; the "
-                  f"staged pipeline through torch for group size 16)")
+        stages = (f"one launch per call (echo_ds.ops P2PRuntime, grid <= {buf.one_launch.max_blocks} blocks; group "
+                  f"size 16 on the reference path)")
     else:
-        stages = "staged kernels of echo_ds.ops (torch for group size 16)" if buf._ops is not None else "torch"
+        stages = ("staged kernels of echo_ds.ops (group size 16 on the reference path)" if buf._ops is not None
+                  else "the host transport's torch stages")
     if cfg.get("stages") in ("kernels", "fused"):
         assert buf._ops is not None, "the kernels of echo_ds.ops did not load"
     if cfg.get("stages") == "fused":
