@@ -115,11 +115,9 @@ __global__ void echo_p2p_signal_kernel(const P2PSignalArgs p) {
 // error record once per rank and poisons the control block so that every later wait returns at once),
 // or at once when the host asked to abort or an earlier wait failed.
 //
-// Why a kernel and not cuStreamWaitValue32: measured on the H200 (two ranks on one GPU under MPS, one
-// flag each way, 2000 round trips, benchmarks/RESULTS.md "P2P transport"), signal + wait kernels take
-// 6.72 us per round trip in a CUDA graph (14.13 us host-launched), cuStreamWriteValue32 +
-// cuStreamWaitValue32 4.60 us (6.48 us): the memops are faster, by about 1 us per hand-off in a graph.
-// They are still not used, because a memop wait can neither time out (a dead peer would hang the
+// Why a kernel and not cuStreamWaitValue32: measured with two ranks on one GPU under MPS (benchmarks/RESULTS.md,
+// "P2P transport", "Flag round trip"), the memops hand a flag over faster than signal + wait kernels, in a
+// CUDA graph and host-launched. They are still not used, because a memop wait can neither time out (a dead peer would hang the
 // survivor's stream for good; here the wait ends after timeout_ns with an error naming rank, peer, stage
 // and call) nor take its value from device memory (a captured graph would replay the captured value, and
 // re-arming every wait node per replay costs host work; here the value comes from control->base). The

@@ -17,9 +17,7 @@ not interfere.
 With pow2 rescaling the descriptor also carries the rank's largest magnitude and replaces the scalar max
 all-reduce, so such calls make no extra collective (and a NaN on any rank now gives k = 0 on every rank,
 as in the emulator: gloo's MAX dropped a NaN that met a number from a lower rank).
-Its cost, measured at P = 2 over gloo for a 4096-element fp32 message on two shared CPU cores (medians of
-two runs): 4.5-5.2 ms per call with the check against 3.6-4.0 ms without it, the descriptor all_gather
-alone 0.43-0.48 ms; pow2 calls make the same collectives as before (4.7-5.4 ms against 4.4-4.9 ms).
+Its cost is one small all_gather per call (the descriptor); pow2 calls make no collective more than before.
 
 Bounded waits. Every collective of a call is issued asynchronously and waited for at most ``timeout_s``
 (default: ``ECHO_P2P_TIMEOUT_S`` or the p2p transport's default, :data:`echo_ds.p2p.protocol.kDefaultTimeoutS`),

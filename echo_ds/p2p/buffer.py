@@ -61,13 +61,10 @@ from echo_ds.reference import check_differentiable_input, echo_all_reduce
 
 logger = logging.getLogger("echo_ds.p2p")
 
-# Wire bytes of one tile per peer: 16 MiB, from the tile sweep on the H200 (benchmarks/RESULTS.md, "P2P
-# transport": 64 MiB bf16 message, P = 4 ranks on one GPU, fused kernels): 256 KiB tiles 5.95 ms,
-# 1 MiB 1.66 ms, 4 MiB 0.81 ms, 16 MiB 0.50 ms, one tile per segment 0.46 ms (medians). Every tile costs
-# about 250 us of host time (eight launches through Python), and on one GPU a "peer" write is a local HBM
-# write with nothing to overlap, so fewer tiles win; 16 MiB ties with one tile up to 64 MiB messages at
-# P = 4 and still pipelines the largest ones. Re-measure over NVLink (issue 8), and once the launch
-# sequence moves out of Python, where smaller tiles overlap the transfers with the quantisation.
+# Wire bytes of one tile per peer of the staged pipeline: 16 MiB, from its tile sweep (benchmarks/RESULTS.md,
+# "P2P transport", "Tile size"): every tile costs several launches of host time through Python, and on one GPU
+# a "peer" write is a local HBM write with nothing to overlap, so fewer tiles won; 16 MiB tied with one tile
+# per segment at 64 MiB and still pipelines the largest messages. Measured with ranks sharing one GPU only.
 kDefaultTileBytes = 16 * 1024 * 1024
 kDefaultMaxNumel = 1 << 26  # 64 Mi elements: a 128 MiB bf16 activation, 256 MiB in fp32
 kOnFault = ("raise", "reference")  # EchoBuffer's on_fault

@@ -162,11 +162,10 @@ def one_launch_max_bytes(ranks_per_device: int) -> int:
 
 
 # The one-shot kernel (csrc/p2p_all_reduce.cuh, p2p_one_shot_kernel): 16-bit x at P = 2 and 4 (built for those
-# only). Measured with ranks sharing one H100 (benchmarks/RESULTS.md, "One transport", 2026-12-06 11:43 UTC,
-# graph replay): at P = 2 one-shot 17.1 / 18.6 us against two-shot 18.5 / 19.9 us at 64 / 256 KiB
-# (compensated: equal within 0.4 us), slower at 1 MiB (25.7 against 22.4 us); at P = 4 slower at every size
-# (37.2 against 34.3 us at 64 KiB; compensated 49.8 against 42.6 us): there every rank's reduction of all P
-# segments runs on the one GPU the ranks share.
+# only). Measured with ranks sharing one H100 (benchmarks/RESULTS.md, "One transport", "One-shot against
+# two-shot", graph replay): at P = 2 one-shot was slightly faster than two-shot up to 256 KiB (compensated:
+# equal) and slower at 1 MiB; at P = 4 slower at every size, where every rank's reduction of all P segments
+# runs on the one GPU the ranks share.
 ONE_SHOT_WORLD_SIZES = (2, 4)
 kOneShotMaxBytes = 256 << 10
 
