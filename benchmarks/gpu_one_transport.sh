@@ -10,7 +10,7 @@
 #   shot     one-shot against two-shot at 64 KiB to 1 MiB, P = 2 and 4, graph replay (bench_p2p.py --one-shot
 #            1048576,off: one-shot up to 1 MiB beside every call two-shot);
 #   suite    the quick p2p suite at P = 2 (SUITE_K, a pytest -k expression: "test_gpu_suite" for P = 2, 4
-#            and 8; tests/test_p2p_gpu.py);
+#            and 8; tests/test_p2p_gpu.py), bounded by SUITE_TIMEOUT seconds (default 290);
 #   kernels  the stage kernels against the reference (tests/test_kernels_gpu.py);
 #   phases   where the one launch's time goes: the shipped build beside three builds that skip one phase's work
 #            each (ECHO_P2P_TIMING_SKIP=1 the entry, 2 the owner reduce, 4 the tail; their flags and waits kept,
@@ -57,8 +57,8 @@ for s in $STEPS; do
         --tile-sweep-bytes 0 --copy-bytes 268435456 > "$OUT/shot.log" 2>&1
       grep -E "^\|" "$OUT/shot.log" | grep -E "one launch|size \| path" | head -30 ;;
     suite)
-      ECHO_P2P_QUICK=1 timeout 290 $PYTEST -m gpu tests/test_p2p_gpu.py -k "${SUITE_K:-test_gpu_suite and 2}" \
-        --timeout 280 > "$OUT/suite.log" 2>&1
+      ECHO_P2P_QUICK=1 timeout ${SUITE_TIMEOUT:-290} $PYTEST -m gpu tests/test_p2p_gpu.py -k "${SUITE_K:-test_gpu_suite and 2}" \
+        --timeout $(( ${SUITE_TIMEOUT:-290} - 10 )) > "$OUT/suite.log" 2>&1
       grep -E "passed|failed|Error" "$OUT/suite.log" | tail -5 ;;
     large)
       timeout 300 python3 benchmarks/bench_p2p.py --world-sizes 2,4,8 --max-bytes-at 8:67108864 --min-bytes ${LARGE_MIN:-4194304} \
