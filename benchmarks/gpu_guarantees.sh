@@ -4,7 +4,7 @@
 #           and 4; RANGE_K narrows it, a pytest -k expression);
 #   faults  on_fault="reference" and the resumed rank (tests/test_faults_gpu.py; FAULTS_K, default
 #           "cuda and (on_fault or resumed)");
-#   suite   the quick p2p suite at P = 2 and the torch stages (tests/test_p2p_gpu.py);
+#   suite   the quick p2p suite at P = 2 and the staged kernels (tests/test_p2p_gpu.py);
 #   misuse  the chunked and staged mismatch tests (tests/test_misuse_paths.py, GPU part);
 #   groups  DP 2 x TP 2 on four ranks (tests/test_groups_gpu.py);
 #   soak    ECHO_SOAK_CALLS calls (default 2000) at each P of SOAK_P (default "2 4"), one after the other or,
@@ -33,7 +33,7 @@ for s in $STEPS; do
     range) step range 150 tests/test_range.py -k "${RANGE_K:-kernel}" ;;
     faults) step faults 200 tests/test_faults_gpu.py -k "${FAULTS_K:-cuda and (on_fault or resumed)}" ;;
     suite) ECHO_P2P_QUICK=1 step suite 150 "tests/test_p2p_gpu.py::test_gpu_suite[2]" \
-             tests/test_p2p_gpu.py::test_gpu_torch_stages ;;
+             tests/test_p2p_gpu.py::test_gpu_staged_kernels ;;
     misuse) step misuse 150 tests/test_misuse_paths.py ;;
     groups) step groups 100 tests/test_groups_gpu.py ;;
     soak)

@@ -35,9 +35,9 @@ else
   KILLED="killed"
 fi
 {
-  stamp "the transport's launches in one process, and the torch stages (the transport with the fallback stages)"
+  stamp "the transport's launches in one process, and the staged kernels"
   timeout 100 $PYTEST tests/test_p2p_transport_gpu.py --timeout 90
-  timeout 100 $PYTEST tests/test_p2p_gpu.py -k "torch_stages" --timeout 90
+  timeout 100 $PYTEST tests/test_p2p_gpu.py -k "staged_kernels" --timeout 90
   stamp "suites P = 2, 4"
   timeout 180 $PYTEST tests/test_p2p_gpu.py -k "suite" --timeout 120
   stamp "suites done"
