@@ -401,21 +401,23 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   // for 16-bit x and a bf16 state (or none) the loads of unit q + 1 are issued before unit q is worked on
   // (two buffers, as push_quantize.cu does), so that one unit's loads are in flight while the thread computes.
   constexpr int kSent = kWorld - 1;
-  const auto unit = [&](int64_t q, int64_t& gi, int64_t& e) {  // false past the block's last unit
+  // Unit q: this thread's group gi of the item, of sent segment j, whose first element is e.
+  const auto unit = [&](int64_t q, int64_t& gi, int& j, int64_t& e) {  // false past the block's last unit
     const int64_t base = (int64_t(blockIdx.x) + (q / kSent) * int64_t(gridDim.x)) * kPerItem;
     if ((kTimingSkip & 1) || base >= G) return false;  // uniform over the block
     const int jj = static_cast<int>(q % kSent);
     gi = base + threadIdx.x / kLanes;
-    e = int64_t(jj < me ? jj : jj + 1) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
+    j = jj < me ? jj : jj + 1;
+    e = int64_t(j) * seg_elems + (a.chunk_begin + gi) * kGroupSize;
     return true;
   };
   const auto load_unit = [&](int64_t q, RawChunks<T>& r) {
     int64_t gi, e;
-    if (unit(q, gi, e) && gi < G) load_contribution_x<T, kLanes>(a.src, e, lane, numel, r);
+    int j;
+    if (unit(q, gi, j, e) && gi < G) load_contribution_x<T, kLanes>(a.src, e, lane, numel, r);
   };
   // kAnyState: the update of every stored format, else of the bf16 state only (the loop that prefetches).
-  const auto entry_work = [&](int64_t gi, int64_t e, const RawChunks<T>& r, auto any_state) {
-    const int j = static_cast<int>(e / seg_elems);
+  const auto entry_work = [&](int64_t gi, int j, int64_t e, const RawChunks<T>& r, auto any_state) {
     float v[kElemsPerThread];
     StateWords m;
     contribution_from_raw<T, kLanes>(a.src, r, e, lane, k, v, m);
@@ -442,9 +444,10 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
       // Works on unit q from r after issuing unit q + 1's loads into `next`; false past the last unit.
       const auto entry_step = [&](int64_t q, const RawChunks<T>& r, RawChunks<T>& next) {
         int64_t gi, e;
-        if (!unit(q, gi, e)) return false;
+        int j;
+        if (!unit(q, gi, j, e)) return false;
         load_unit(q + 1, next);
-        if (gi < G) entry_work(gi, e, r, std::false_type{});  // whole groups skip together
+        if (gi < G) entry_work(gi, j, e, r, std::false_type{});  // whole groups skip together
         return true;
       };
       RawChunks<T> raw[2];
@@ -458,12 +461,13 @@ __global__ void ECHO_KERNEL_BOUNDS(kFusedMinBlocks) p2p_all_reduce_kernel(const 
   }
   if (!entered) {  // fp32 x (twice the words per unit: two buffers would not fit the registers), integer states
     int64_t gi, e;
+    int j;
 #pragma unroll 1
-    for (int64_t q = 0; unit(q, gi, e); ++q) {
+    for (int64_t q = 0; unit(q, gi, j, e); ++q) {
       if (gi >= G) continue;
       RawChunks<T> r;
       load_contribution_x<T, kLanes>(a.src, e, lane, numel, r);
-      entry_work(gi, e, r, std::true_type{});
+      entry_work(gi, j, e, r, std::true_type{});
     }
   }
   signal_peers<kWorld, false>(a, tag);
