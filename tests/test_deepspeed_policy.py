@@ -32,6 +32,24 @@ def test_backend_p2p_falls_back_with_one_warning_naming_the_setting(log):
     assert [lvl for lvl, _ in log.records] == ["warning"]
 
 
+def test_a_group_size_no_kernel_runs_chooses_the_reference_backend():
+    """echo.group_size outside the kernels' sizes: every call would take the reference path (the torch stages
+    that ran them on the transport left the package), so "auto" chooses the reference backend at setup and
+    "p2p" falls back with a warning naming the setting; the kernels' sizes keep the transport."""
+    from echo_ds.ops.kernels import SUPPORTED_GROUP_SIZES
+
+    for g in SUPPORTED_GROUP_SIZES:
+        assert policy.p2p_transport_status("cuda", 4, group_size=g) == (True, "")
+    ok, why = policy.p2p_transport_status("cuda", 4, group_size=32)
+    assert ok is False and "echo.group_size=32" in why and "reference path" in why, why
+    assert policy.select_backend("auto", "cuda", 4, (ok, why)).name == "reference"
+    c = policy.select_backend("p2p", "cuda", 4, (ok, why))
+    assert (c.name, c.level) == ("reference", "warning") and "group_size=32" in c.reason
+    # the state's reason comes first where both apply; a group that cannot use the transport keeps its own
+    assert "fp8" in policy.p2p_transport_status("cuda", 4, state_dtypes={"forward": "fp8"}, group_size=32)[1]
+    assert "CUDA" in policy.p2p_transport_status("cpu", 4, group_size=32)[1]
+
+
 def test_p2p_status_follows_the_transport_policy():
     assert policy.p2p_transport_status("cuda", 4)[0] is True
     assert policy.p2p_transport_status("cuda", 4, same_host=False)[0] is False

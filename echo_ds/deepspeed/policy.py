@@ -89,22 +89,27 @@ def environment_message(switches: EnvironmentSwitches, configured_backend: Optio
 
 def p2p_transport_status(device_type: str, world_size: int, kernels_error: Optional[str] = None,
                          *, same_host: bool = True, peer_access: bool = True,
-                         state_dtypes: Optional[Mapping[str, str]] = None) -> Tuple[bool, str]:
+                         state_dtypes: Optional[Mapping[str, str]] = None,
+                         group_size: Optional[int] = None) -> Tuple[bool, str]:
     """Whether the CUDA peer-to-peer transport can serve a group, and if not, why.
 
     kernels_error: why the CUDA kernels cannot be built here (``echo_ds.ops.unavailable_reason()``), or
     None where they can. same_host / peer_access are what is known before the handshake; the transport's
     own constructor checks both again across the group (host ids, a write-and-verify probe) and falls
     back with one warning where they fail. state_dtypes: ``{direction: echo.<direction>.state_dtype}`` of
-    the directions that compensate; the kernels hold only ``SUPPORTED_STATE_DTYPES``.
+    the directions that compensate; the kernels hold only ``SUPPORTED_STATE_DTYPES``. group_size: the "echo"
+    section's (None: not checked); the kernels are built for ``SUPPORTED_GROUP_SIZES``, and the calls of any other
+    take the reference path.
     """
     from echo_ds.p2p.policy import p2p_transport_status as group_status
-    from echo_ds.p2p.policy import state_dtype_decision
+    from echo_ds.p2p.policy import group_size_decision, state_dtype_decision
 
     available, why_not = group_status(device_type, world_size, same_host=same_host, peer_access=peer_access,
                                       kernels_built=kernels_error is None, kernels_error=kernels_error or "")
     if available:
         d = state_dtype_decision(state_dtypes or {})
+        if d and group_size is not None:
+            d = group_size_decision(group_size)
         available, why_not = d.use, d.reason
     return available, why_not
 

@@ -195,7 +195,7 @@ class EchoRuntime:
             p2p_status = policy.p2p_transport_status(
                 self.device.type, self.world_size, ops.unavailable_reason(),
                 state_dtypes={d: config.direction(d).state_dtype for d in (FORWARD, BACKWARD)
-                              if config.direction(d).compensate})
+                              if config.direction(d).compensate}, group_size=config.group_size)
         choice = policy.select_backend(config.backend, self.device.type, self.world_size, p2p_status)
         log_once(choice.level, "echo: " + choice.reason)
         self.backend = choice.name

@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from echo_ds.ops.kernels import KERNEL_WORLD_SIZES, SUPPORTED_DTYPES, SUPPORTED_STATE_DTYPES
+from echo_ds.ops.kernels import KERNEL_WORLD_SIZES, SUPPORTED_DTYPES, SUPPORTED_GROUP_SIZES, SUPPORTED_STATE_DTYPES
 from echo_ds.p2p.layout import Capacity, make_tiling
 
 _FIX_BACKEND = 'set "backend": "reference" in the "echo" section of ds_config.json to use the reference path'
@@ -93,6 +93,16 @@ def state_dtype_decision(state_dtypes: Mapping[str, str]) -> Decision:
     return Decision(False, f"the p2p kernels hold the compensator state as {'/'.join(SUPPORTED_STATE_DTYPES)} only "
                            f"and this config has {shown}, which runs on the reference path (set \"state_dtype\": "
                            f"\"bf16\" in that direction's section of \"echo\" to use the p2p transport)")
+
+
+def group_size_decision(group_size: int) -> Decision:
+    """Whether the kernels run calls of ``group_size`` (the "echo" section's): the others take the reference path,
+    every one of them, so a group configured so gains nothing from the p2p transport."""
+    if group_size in SUPPORTED_GROUP_SIZES:
+        return YES
+    return Decision(False, f"the p2p kernels are built for group sizes {SUPPORTED_GROUP_SIZES} and this config has "
+                           f"echo.group_size={group_size}, whose calls run on the reference path (set \"group_size\" "
+                           f"in the \"echo\" section to one of them to use the p2p transport)")
 
 
 def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_size: int, bits: int,
