@@ -5,9 +5,10 @@ staged pipeline. It holds the schedule cache and the stage streams and events, a
 caller's stream raises the device-resident flag base and records a start event; the push stream forms x'
 (compensation, rotation, the pow2 max exchange) and puts the codes of each tile into its owner's buffer,
 publishing a flag per tile; the reduce stream waits for a tile's flags, reduces and requantizes it into
-every peer's buffer; the gather stream decodes this rank's own segment; the tail stream waits for the owners' tiles and decodes them; the caller's stream waits
-for the ends. The compensator's state is updated inside those stages (by the entry and the owner reduce for
-residual "local", by the dequantize for "output"), so a call leaves no work behind it. The host never synchronises while tiles are in flight.
+every peer's buffer; the gather stream decodes this rank's own segment; the tail stream waits for the owners'
+tiles and decodes them; the caller's stream waits for the ends. The compensator's state is updated inside
+those stages (by the entry and the owner reduce for residual "local", by the dequantize for "output"), so a
+call leaves no work behind it. The host never synchronises while tiles are in flight.
 
 A schedule holds, for one key (dtype, bits, quantizer, group size, rotation, segment size: appendix
 C's schedule cache), the tiling, the static workspace (so that a CUDA graph captured over a call keeps
