@@ -5,6 +5,8 @@
 #            64 KiB);
 #   params   one launch's host time against its parameters' size (launch_params.cu: 16 B to 4 KiB; the
 #            one launch passes its 1176-byte plan by value);
+#   parts    the runtime call's C++ side, part by part (runtime_parts.py: y's allocation, the stream, the launch,
+#            the pybind conversions; it builds its own small extension first, about a minute);
 #   latency  the small messages' graph replay beside an empty launch and a flag round trip (bench_p2p.py,
 #            64 KiB at P = 2 and 4, the one launch, a 16 MiB workspace);
 #   shot     one-shot against two-shot at 64 KiB to 1 MiB, P = 2 and 4, graph replay (bench_p2p.py --one-shot
@@ -46,6 +48,9 @@ for s in $STEPS; do
     params)
       nvcc -O2 -arch=sm_90 -o /tmp/launch_params benchmarks/launch_params.cu && /tmp/launch_params > "$OUT/params.log" 2>&1
       cat "$OUT/params.log" ;;
+    parts)
+      timeout 240 python3 benchmarks/runtime_parts.py > "$OUT/parts.log" 2>&1
+      grep -E "^\||built|host time" "$OUT/parts.log" ;;
     latency)
       python3 benchmarks/bench_p2p.py --world-sizes 2,4 --min-bytes 65536 --max-bytes 65536 --workspace-bytes 16777216 --stages fused --bits 4 \
         --warmup 3 --iters 10 --graph-reps 10 --pingpong 200 --tile-sweep-bytes 0 --copy-bytes 268435456 \
