@@ -57,3 +57,29 @@ def _cache_body(rank, world_size, cfg):
 def test_schedule_cache_is_bounded_and_evicts_the_least_recent_unpinned():
     results = run_distributed(_cache_body, 2, {}, timeout=180)
     assert results == [results[0]] * 2 and results[0] > 32, results
+
+
+def test_the_pipeline_runs_what_its_stages_run():
+    """On the CUDA transport the staged pipeline runs the staged kernels only: it names why it cannot run a group
+    size they are not built for (the call policy then sends the call to the reference path) and does not count
+    range events (the staged kernels do not check them). A transport that brings its own stages (the tests' host
+    transport: the torch stages) runs every group size and counts them; without the kernels loaded and without
+    stages of its own, nothing runs."""
+    from echo_ds import ops
+    from echo_ds.p2p import layout as L
+    from echo_ds.p2p.stages import StagedPipeline
+
+    class Bare:
+        kind = "host"  # no streams; no stages of its own
+
+    class Own(Bare):
+        schedule = object
+
+    cap, cpu = L.Capacity(2, 1 << 12), torch.device("cpu")
+    g16, g64 = QuantSpec(4, 16), QuantSpec(4, 64)
+    kernels = StagedPipeline(Bare(), 0, 2, cap, cpu, ops)
+    assert "group_size=16" in kernels.unsupported_reason(g16, torch.bfloat16)
+    assert kernels.unsupported_reason(g64, torch.bfloat16) is None and not kernels.counts_range
+    own = StagedPipeline(Own(), 0, 2, cap, cpu, None)
+    assert own.unsupported_reason(g16, torch.bfloat16) is None and own.counts_range
+    assert "not loaded" in StagedPipeline(Bare(), 0, 2, cap, cpu, None).unsupported_reason(g64, torch.bfloat16)
