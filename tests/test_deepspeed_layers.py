@@ -8,8 +8,6 @@ are exercised exactly as under ``deepspeed.initialize``; the engine itself is co
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from utils import (deepspeed_env, deepspeed_shm_segments, free_port, run_distributed, same_states, state_moved,

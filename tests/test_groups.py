@@ -19,8 +19,6 @@ state, and asks for bit-identical results on both ranks of each group.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 

@@ -71,8 +71,6 @@ def pow2_factors(amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 class TorchSchedule(Schedule):
     """Stages through torch ops on the stage streams; codes staged locally and put by the transport."""
 
-    kind = "torch"
-
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         P, G, g, cb, dev = self.world_size, self.G, self.spec.group_size, self.cb, self.device

@@ -132,8 +132,6 @@ class Schedule:
 class KernelSchedule(Schedule):
     """Stages through echo_ds.ops: codes go straight into the peers' slots; flags follow."""
 
-    kind = "kernels"
-
     def __init__(self, *args, ops, **kw):
         super().__init__(*args, **kw)
         self.ops = ops
