@@ -253,7 +253,7 @@ def test_cli_help_lists_the_peers(capsys):
 
 def test_cli_runs_peers_on_a_tiny_model(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from echo_ds.eval.__main__ import main

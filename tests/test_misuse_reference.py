@@ -256,7 +256,7 @@ def test_stalled_peer_times_out_within_the_bound():
     assert kind == "EchoTimeout", result
     assert kFaultTimeout - 0.1 <= elapsed < kFaultTimeout + 3, result
     assert (stage, call, peer, rank) == ("descriptor", 2, 1, 0), result
-    assert message.startswith(f"echo all-reduce: rank 0 of 2 timed out after ")
+    assert message.startswith("echo all-reduce: rank 0 of 2 timed out after ")
     assert (f"(timeout {kFaultTimeout:g} s) waiting for rank 1 at stage 'descriptor' of echo all-reduce call 2 "
             f"(site 5, backward)") in message, message
 

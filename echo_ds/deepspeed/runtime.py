@@ -595,9 +595,9 @@ class EchoRuntime:
         raise RuntimeError(
             f"echo: tensor-parallel ranks visited different Echo sites ({detail}; calls per rank: {counts}). "
             + (f"{cause}. " if cause else "") +
-            f"Every rank of a tensor-parallel group must run the same layers in the same order with the "
-            f"same shapes; check for rank-dependent control flow, different batch shapes across ranks, or "
-            f"layers skipped on some ranks.")
+            "Every rank of a tensor-parallel group must run the same layers in the same order with the "
+            "same shapes; check for rank-dependent control flow, different batch shapes across ranks, or "
+            "layers skipped on some ranks.")
 
     # ------------------------------------------------------------------------------------------------
     # Logging
