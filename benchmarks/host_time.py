@@ -70,7 +70,8 @@ def body(rank, world_size, args):
             (key, plan), = [(k, p) for k, p in buf.one_launch.plans.items()
                             if k[1] == x.numel() and (k[5] is None) == (comp is None)]
             state = [None if n is None else getattr(comp, n) for n in plan.state_names]
-            runtime = lambda: rt.call(plan.index, x, *state)  # noqa: E731
+            runtime = ((lambda: rt.call(plan.index, x)) if comp is None  # noqa: E731
+                       else (lambda: rt.call_compensated(plan.index, x, *state)))
             r = {"call": _per_issue(call, batch, batches, dev),
                  "runtime": _per_issue(runtime, batch, batches, dev),
                  "key and lookup": _per_issue(lambda: buf.one_launch.plans.get(

@@ -10,6 +10,7 @@
 // Tables of quantized segments are three lists of P tensors (codes uint8, scales fp16, zeros fp16); an
 // entry with no elements stands for "none" (the rank's own segment, or a destination not written).
 #include <torch/extension.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
@@ -506,7 +507,9 @@ class P2PRuntime {
     } else if (present(m1) || present(m2) || present(exponent)) {
       return py::none();
     }
-    at::Tensor y = at::empty_like(x);
+    // y from the CUDA allocator directly (the tensor at::empty_like makes, without the dispatcher's part of
+    // its host time: benchmarks/RESULTS.md, "One transport", 2026-12-07).
+    at::Tensor y = at::detail::empty_cuda(x.sizes(), x.scalar_type(), x.device(), std::nullopt);
     a.out = y.data_ptr();
     const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(x.device());
     launch_prepared(a, p.chunk_groups, echo::launch_p2p_all_reduce, static_cast<cudaStream_t>(stream.native_handle()));
@@ -838,8 +841,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("coeffs"), py::arg("residual"), py::arg("pow2"), py::arg("group_size"), py::arg("bits"),
            py::arg("quantizer"), py::arg("hadamard_signs"), py::arg("hadamard_norm"), py::arg("descriptor"),
            py::arg("one_shot") = false)
-      .def("call", &P2PRuntime::call, py::arg("plan"), py::arg("x"), py::arg("m1") = py::none(),
-           py::arg("m2") = py::none(), py::arg("exponent") = py::none())
+      // Two names rather than optional arguments: a call without state converts no None (pybind's share of
+      // the host time, RESULTS.md "One transport", 2026-12-07).
+      .def("call", [](P2PRuntime& r, int64_t plan, const at::Tensor& x) {
+             return r.call(plan, x, std::nullopt, std::nullopt, std::nullopt);
+           }, py::arg("plan"), py::arg("x"))
+      .def("call_compensated", &P2PRuntime::call, py::arg("plan"), py::arg("x"), py::arg("m1"), py::arg("m2"),
+           py::arg("exponent"))
       .def("set_range_seen", &P2PRuntime::set_range_seen, py::arg("clipped"), py::arg("underflow"))
       .def("clear_plans", &P2PRuntime::clear_plans)
       .def("plain_all_reduce", &P2PRuntime::plain_all_reduce, py::arg("x"), py::arg("y"), py::arg("descriptor"),

@@ -30,7 +30,13 @@ class _Runtime:
         self.plans.append(args)
         return len(self.plans) - 1
 
-    def call(self, index, x, *state):
+    def call(self, index, x):  # P2PRuntime.call: a call without state
+        return self._record(index, x, ())
+
+    def call_compensated(self, index, x, m1, m2, exponent):
+        return self._record(index, x, (m1, m2, exponent))
+
+    def _record(self, index, x, state):
         self.calls.append((index, state))
         if self.refuse:
             self.refuse -= 1

@@ -132,7 +132,8 @@ class OneLaunch:
             # runtime checks only that the arrays cover the call; their device too)
             c._ensure(plan.state_shape, self.device)
             held = getattr(c, m1)
-        return self.runtime.call(plan.index, x, held, m2 and getattr(c, m2), exponent and getattr(c, exponent))
+        return self.runtime.call_compensated(plan.index, x, held, m2 and getattr(c, m2),
+                                             exponent and getattr(c, exponent))
 
     def plain(self, x: torch.Tensor, y: torch.Tensor, descriptor: int) -> None:
         """The unquantized call of the same family: y = the sum of x over the group (one launch)."""
