@@ -1,8 +1,8 @@
 #!/bin/bash
 # One GPU call (issue 31): the JIT build with each translation unit's compile time (ninja's log), then the
 # steps of STEPS (default "host latency"):
-#   host     the host time to issue a call, part by part (host_time.py; P = 2 at 64 KiB and 64 MiB, P = 4 at
-#            64 KiB);
+#   host     the host time to issue a call, part by part (host_time.py; P = 2 at 64 KiB, 64 MiB and 1 GiB, P = 4
+#            at 64 KiB);
 #   params   one launch's host time against its parameters' size (launch_params.cu: 16 B to 4 KiB; the
 #            one launch passes its 1176-byte plan by value);
 #   parts    the runtime call's C++ side, part by part (runtime_parts.py: y's allocation, the stream, the launch,
@@ -42,7 +42,8 @@ head -6 "$OUT/build_units.txt" 2>/dev/null
 for s in $STEPS; do
   case $s in
     host)
-      { python3 benchmarks/host_time.py --world-size 2 && python3 benchmarks/host_time.py --world-size 4 --sizes 65536; } \
+      { python3 benchmarks/host_time.py --world-size 2 --sizes 65536,67108864,1073741824 &&
+        python3 benchmarks/host_time.py --world-size 4 --sizes 65536; } \
         > "$OUT/host.log" 2>&1
       grep -E "^\||host time|pybind" "$OUT/host.log" ;;
     params)
