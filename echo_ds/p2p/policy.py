@@ -150,10 +150,10 @@ def call_decision(*, dtype: torch.dtype, numel: int, element_size: int, world_si
 
 
 # Largest message of the one-launch call under stages="auto" where ranks share a GPU (the test rig); larger
-# ones take the staged pipeline. From 64 MiB up the staged kernels, on the whole GPU, are faster under graph
-# replay despite their host time (benchmarks/RESULTS.md, "One launch per call" and "Floor and projection").
-# Co-residency caps each rank's one-launch grid there; at its full share the one launch is still slower
-# (RESULTS.md, "One transport", 16:37 UTC).
+# ones take the staged pipeline. Up to 16 MiB the one launch is faster eagerly at P = 2, 4 and 8 (the staged
+# pipeline's host time); from 64 MiB the staged kernels, on the whole GPU, are faster eagerly and under graph
+# replay (benchmarks/RESULTS.md, "One transport", 2026-12-07 01:22 UTC). Co-residency caps each rank's
+# one-launch grid there, and a larger grid did not help (same section).
 kSharedGpuOneLaunchMaxBytes = 16 << 20
 
 
