@@ -4,8 +4,9 @@
 //
 // The stream is passed in as its raw handle (torch.cuda.current_stream().cuda_stream), or, for
 // P2PRuntime::call, taken from torch's device-generic stream registry; the caller makes the tensors' device
-// current: this file then needs no CUDA headers of torch, so it compiles against any torch build (CI
-// compiles it against the CPU wheel).
+// current. Of torch's CUDA headers this file includes only ATen/cuda/EmptyTensor.h (y's allocation), which
+// CPU wheels ship too, so it compiles against any torch build (CI compiles it against the CPU wheel); the
+// extension links torch_cuda, as every CUDA build of it does.
 //
 // Tables of quantized segments are three lists of P tensors (codes uint8, scales fp16, zeros fp16); an
 // entry with no elements stands for "none" (the rank's own segment, or a destination not written).
