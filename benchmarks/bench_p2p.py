@@ -49,7 +49,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from tests.utils import run_distributed  # noqa: E402
-import p2p_suite  # noqa: E402
+from p2p_suite import all_same, digest, plain_expected, same_bits  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bytes_model as BM  # noqa: E402
@@ -330,7 +330,6 @@ def _sweep(buf, rank, P, dev, spec, args):
     from echo_ds.compensator import make_compensator
     from echo_ds.config import ForwardConfig
     from echo_ds.emulate import emulated_echo_all_reduce
-    all_same, digest, same_bits = p2p_suite.all_same, p2p_suite.digest, p2p_suite.same_bits
 
     def path_of(x):  # the path EchoBuffer.all_reduce takes for x (its stages setting decides per size)
         if buf._one_launch_serves(spec, x.dtype) and (
@@ -386,7 +385,7 @@ def _sweep(buf, rank, P, dev, spec, args):
             # The unquantized call of the same family: the in-run 16-bit baseline (one per size and path).
             call = lambda: buf.plain_all_reduce(x)  # noqa: E731
             y = call()
-            expected = p2p_suite.plain_expected(torch.stack([t.to(dev) for t in _all_gather_cpu(x)]))
+            expected = plain_expected(torch.stack([t.to(dev) for t in _all_gather_cpu(x)]))
             plain_ok = not check or same_bits(y, expected)
             plain_ok = all_same(digest(y)) and plain_ok
             del y

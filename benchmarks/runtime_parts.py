@@ -54,6 +54,13 @@ double part_us(const at::Tensor& x, int64_t part, int64_t blocks, int64_t batch,
   keep.reserve(batch);
   std::vector<double> us;
   volatile uintptr_t sink = 0;
+  const auto launch = [&] {
+    empty_kernel<<<blocks, 256, 0, runtime_stream(x)>>>(plan, never);
+    C10_CUDA_CHECK(cudaGetLastError());
+  };
+  const auto empty_direct = [&] {
+    return at::Tensor(at::detail::empty_cuda(x.sizes(), x.scalar_type(), x.device(), std::nullopt));
+  };
   for (int64_t b = 0; b <= batches; ++b) {
     C10_CUDA_CHECK(cudaDeviceSynchronize());
     keep.clear();
@@ -64,20 +71,10 @@ double part_us(const at::Tensor& x, int64_t part, int64_t blocks, int64_t batch,
         case 1: keep.push_back(at::empty(x.sizes(), x.options())); break;
         case 2: sink = sink + reinterpret_cast<uintptr_t>(runtime_stream(x)); break;
         case 3: sink = sink + reinterpret_cast<uintptr_t>(c10::cuda::getCurrentCUDAStream().stream()); break;
-        case 4:
-          empty_kernel<<<blocks, 256, 0, runtime_stream(x)>>>(plan, never);
-          C10_CUDA_CHECK(cudaGetLastError());
-          break;
-        case 5:
-          keep.push_back(at::empty_like(x));
-          empty_kernel<<<blocks, 256, 0, runtime_stream(x)>>>(plan, never);
-          C10_CUDA_CHECK(cudaGetLastError());
-          break;
-        case 6: keep.push_back(at::Tensor(at::detail::empty_cuda(x.sizes(), x.scalar_type(), x.device(), std::nullopt))); break;
-        default:
-          keep.push_back(at::Tensor(at::detail::empty_cuda(x.sizes(), x.scalar_type(), x.device(), std::nullopt)));
-          empty_kernel<<<blocks, 256, 0, runtime_stream(x)>>>(plan, never);
-          C10_CUDA_CHECK(cudaGetLastError());
+        case 4: launch(); break;
+        case 5: keep.push_back(at::empty_like(x)); launch(); break;
+        case 6: keep.push_back(empty_direct()); break;
+        default: keep.push_back(empty_direct()); launch();
       }
     }
     const auto t1 = std::chrono::steady_clock::now();
